@@ -1,0 +1,102 @@
+"""Typed configs for the Hydra CLIs, and the one-line errors users see.
+
+Every Hydra config group mirrors a dataclass. `to_dataclass` merges the composed YAML into
+that dataclass, so an unknown key or a value of the wrong type fails here, with the key's
+full name and the keys that are allowed, never deep inside training.
+"""
+
+import dataclasses
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# `${project_root:}` in conf/ names files shipped in the repository (the default target).
+OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
+
+
+class UserError(Exception):
+    """Bad input a user can fix; the CLI prints it as one line, without a traceback."""
+
+
+def to_dataclass(cls, cfg: DictConfig, key: str = ""):
+    """Build dataclass `cls` from `cfg`; unknown keys and bad values raise UserError."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(cls), cfg)
+        return OmegaConf.to_object(merged)
+    except ConfigKeyError as e:
+        full_key = ".".join(k for k in (key, str(e.full_key or e.key)) if k)
+        allowed = ", ".join(f.name for f in dataclasses.fields(_owner_of(cls, str(e.full_key or e.key))))
+        raise UserError(f"unknown config key '{full_key}'; allowed: {allowed}") from None
+    except OmegaConfBaseException as e:
+        full_key = ".".join(k for k in (key, str(e.full_key or "")) if k)
+        raise UserError(f"bad value for '{full_key}': {_first_line(e)}") from None
+
+
+def _owner_of(cls, dotted_key: str):
+    """The dataclass (nested inside `cls`) that would hold `dotted_key`."""
+    for part in dotted_key.split(".")[:-1]:
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        if not dataclasses.is_dataclass(types.get(part)):
+            break
+        cls = types[part]
+    return cls
+
+
+def one_of(key: str, value, allowed) -> None:
+    """Fail with a one-line error unless `value` is among `allowed`."""
+    if value not in allowed:
+        raise UserError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, allowed))}")
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _one_line(e: BaseException) -> str:
+    """Hydra's messages span lines (options listed one per line); fold them into one."""
+    text = str(e).split("Config search path")[0]  # where Hydra looked: noise for a typo
+    text = " ".join(line.strip() for line in text.splitlines() if line.strip())
+    cause = e.__cause__
+    if isinstance(cause, OmegaConfBaseException):
+        text = f"{text} ({_first_line(cause)})"
+    return text
+
+
+def exit_on_user_error(task: Callable) -> Callable:
+    """Wrap a Hydra task so a UserError ends the process with its one line (not Hydra's log)."""
+
+    @functools.wraps(task)
+    def wrapped(*args, **kwargs):
+        try:
+            return task(*args, **kwargs)
+        except UserError as e:
+            if os.environ.get("SPECULATORS_TRACEBACK") == "1":
+                raise
+            sys.exit(f"error: {e}")
+
+    return wrapped
+
+
+def run_cli(hydra_main: Callable[[], None]) -> None:
+    """Run a @hydra.main function; config and input errors end in one line on stderr.
+
+    HYDRA_FULL_ERROR=1 keeps the full traceback for debugging, as Hydra documents.
+    """
+    from hydra.errors import HydraException
+
+    want_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["SPECULATORS_TRACEBACK"] = "1" if want_traceback else "0"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra's errors reach us instead of its printer
+    try:
+        hydra_main()
+    except (UserError, HydraException, OmegaConfBaseException) as e:
+        if want_traceback:
+            raise
+        sys.exit(f"error: {_one_line(e)}")

@@ -1,0 +1,188 @@
+"""EAGLE-3 (Li et al. 2025, arXiv:2503.01840): model, training-time test, loss and config.
+
+The drafter reads three target layers (low, mid, high), fuses them with fc(3H -> H), and
+runs one decoder layer whose attention input is concat(input_layernorm(embed(token)),
+hidden_norm(h)), 2H wide; the residual carries h. Its own norm and lm_head predict over a
+reduced draft vocabulary (d2t/t2d maps to the target's).
+
+Training-time test (TTT) unrolls the drafter `ttt_steps` times as it runs when serving.
+At step j, position t reads token t+1+j (teacher-forced) and, for j > 0, its own previous
+output as the hidden input; it is trained to match the target's distribution at t+1+j. Its
+query sees the step-0 keys of positions <= t (the verified context) and the keys of
+position t from steps 1..j (its own draft chain), at rotary position t+j.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+
+from speculators import draft_vocab
+from speculators.config import UserError
+from speculators.layers import RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
+from speculators.target import FrozenTarget, TargetOutput
+
+
+@dataclass
+class Eagle3Config:
+    family: str = "eagle3"
+    ttt_steps: int = 5  # unrolled draft steps in training (anchors use 3 to 7)
+    step_decay: float = 0.8  # loss weight of step j is step_decay**j (EAGLE-3: 0.8)
+    draft_vocab_size: int = 32000
+    norm_before_residual: bool = False  # True: the residual carries hidden_norm(h) instead of h
+
+
+def layer_config(target: FrozenTarget) -> LlamaConfig:
+    """The drafter's decoder layer: the target's attention and MLP shapes, one layer, the target's vocab."""
+    c = target.config
+    return LlamaConfig(
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), max_position_embeddings=c.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta(c)},
+        num_hidden_layers=1, vocab_size=target.vocab_size, tie_word_embeddings=False,
+    )
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated q [B, heads, T, d] and k, v [B, heads, T, d] (kv heads repeated for GQA)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Attention of TTT step j = len(keys) - 1, all tensors [B, heads, T, d].
+
+    keys[0]/values[0] come from step 0 and are seen causally; keys[i] (i >= 1) from step i
+    and are seen only at the query's own position (the diagonal), so no [T, T] block is
+    built for them.
+    """
+    T, scale = q.shape[2], q.shape[-1] ** -0.5
+    context = (q @ keys[0].transpose(-1, -2)) * scale
+    context = context.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    chain = [(q * k).sum(-1, keepdim=True) * scale for k in keys[1:]]
+    weights = torch.softmax(torch.cat([context, *chain], dim=-1), dim=-1)
+    out = weights[..., :T] @ values[0]
+    for i, v in enumerate(values[1:]):
+        out = out + weights[..., T + i : T + i + 1] * v
+    return out
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, c: LlamaConfig, norm_before_residual: bool):
+        super().__init__()
+        self.norm_before_residual = norm_before_residual
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Eagle3Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor):
+        """(residual, 2H-wide attention input) for token embeddings and hidden states."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        return residual, torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+
+    def finish(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """o_proj, residual add and MLP; attn is [B, heads, T, d]."""
+        B, _, T, _ = attn.shape
+        h = residual + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    config_class = Eagle3Config
+    speculators_model_type = "eagle3"
+
+    def __init__(self, cfg: Eagle3Config, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
+        super().__init__()
+        self.cfg, self.layer_cfg, self.layer_ids = cfg, layer_cfg, list(layer_ids)
+        H, V, N = layer_cfg.hidden_size, layer_cfg.vocab_size, cfg.draft_vocab_size
+        if N > V:
+            raise UserError(f"draft_vocab_size={N} is larger than the target's vocabulary ({V})")
+        self.embed_tokens = nn.Embedding(V, H).requires_grad_(False)  # the target's, frozen
+        self.fc = nn.Linear(len(layer_ids) * target_hidden_size, H, bias=False)
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(layer_cfg, cfg.norm_before_residual)])
+        self.norm = RMSNorm(H, layer_cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, N, bias=False)
+        self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
+
+    @classmethod
+    def from_target(cls, cfg: Eagle3Config, target: FrozenTarget, token_counts: torch.Tensor) -> "Eagle3Drafter":
+        """A drafter for `target`: its embeddings (frozen), its lm_head rows of the draft vocab as a start."""
+        drafter = cls(cfg, layer_config(target), target.layer_ids, target.hidden_size)
+        drafter.d2t, drafter.t2d = draft_vocab.build(token_counts, cfg.draft_vocab_size)
+        with torch.no_grad():
+            drafter.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
+            drafter.lm_head.weight.copy_(target.model.get_output_embeddings().weight[drafter.draft_to_target].float())
+        return drafter
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        return draft_vocab.target_ids(self.d2t)
+
+    def fuse(self, aux_hidden: list[torch.Tensor]) -> torch.Tensor:
+        return self.fc(torch.cat(aux_hidden, dim=-1))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def training_loss(self, target_out: TargetOutput, input_ids: torch.Tensor, loss_mask: torch.Tensor):
+        """Weighted sum over TTT steps of the soft cross-entropy to the target's draft-vocab distribution.
+
+        Returns (loss, metrics) with loss and accuracy (draft argmax == target argmax) per step.
+        """
+        layer, T = self.layers[0], input_ids.shape[1]
+        target_logits = target_out.logits
+        target_argmax = target_logits.argmax(-1)
+        # The target's distribution restricted to the draft vocab and renormalised.
+        target_probs = torch.softmax(target_logits[..., self.draft_to_target], dim=-1)
+        in_draft_vocab = self.t2d[target_argmax]
+        hidden = self.fuse(target_out.aux_hidden)
+        keys, values, loss, metrics = [], [], 0.0, {}
+        for j in range(self.cfg.ttt_steps):
+            tokens = shift_left(input_ids, 1 + j)
+            # Position t is trained on the distribution at t+1+j, i.e. on predicting token t+2+j.
+            counted = shift_left(loss_mask, 2 + j).bool()
+            trained = counted & shift_left(in_draft_vocab, 1 + j)
+            cos, sin = rotary(torch.arange(T, device=input_ids.device) + j, self.layer_cfg.head_dim,
+                              rope_theta(self.layer_cfg))
+            residual, x = layer.attention_input(self.embed_tokens(tokens), hidden)
+            q, k, v = layer.self_attn.qkv(x, cos, sin)
+            keys.append(k)
+            values.append(v)
+            hidden = layer.finish(residual, ttt_attention(q, keys, values))
+            logits = self.logits(hidden)
+            soft_ce = -(shift_left(target_probs, 1 + j) * F.log_softmax(logits, dim=-1)).sum(-1)
+            step_loss = (soft_ce * trained).sum() / trained.sum().clamp(min=1)
+            loss = loss + self.cfg.step_decay**j * step_loss
+            hits = (self.draft_to_target[logits.argmax(-1)] == shift_left(target_argmax, 1 + j)) & counted
+            metrics[f"loss_step{j}"] = step_loss.detach()
+            metrics[f"acc_step{j}"] = hits.sum() / counted.sum().clamp(min=1)
+        return loss, metrics
+
+
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, n:] padded with zeros to x's length along dim 1: the value n positions ahead."""
+    pad = torch.zeros_like(x[:, :n])
+    return torch.cat([x[:, n:], pad], dim=1)

@@ -1,0 +1,94 @@
+"""The frozen target: any Hugging Face causal LM, its tokenizer, and the features drafters learn from.
+
+HF `hidden_states[k]` is the residual stream after k decoder layers (0 = embeddings);
+`hidden_states[L]` is after the final norm, the input of lm_head. Layer ids everywhere in
+this project (configs, exports) use that same k.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from speculators.config import UserError, one_of
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TargetConfig:
+    name_or_path: str = "???"  # a local folder or a hub id
+    layer_ids: list[int] | None = None  # EAGLE-3 feature layers; None: [2, L//2, L-3]
+    dtype: str = "float32"  # float32 on CPUs, where bf16 arithmetic is ~30x slower
+    trust_remote_code: bool = False
+
+
+@dataclass
+class QuantConfig:
+    scheme: str = "none"  # weight-only quantization of the target's linear layers
+
+
+QUANT_SCHEMES = ("none",)
+
+
+@dataclass
+class TargetOutput:
+    aux_hidden: list[torch.Tensor]  # hidden_states[k] for k in layer_ids, each [B, T, H]
+    last_hidden: torch.Tensor  # hidden_states[L]: after the final norm, [B, T, H]
+    logits: torch.Tensor  # [B, T, V]
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    """Distinct ids in [0, L): the residual stream after k layers feeds the drafter."""
+    bad = [k for k in layer_ids if not 0 <= k < num_layers]
+    if bad:
+        raise UserError(f"target.layer_ids {layer_ids}: {bad} out of range for a target of {num_layers} layers "
+                        f"(valid: 0..{num_layers - 1}); small targets need explicit ids, e.g. target.layer_ids=[0,1,2]")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise UserError(f"target.layer_ids {layer_ids} has duplicates; the drafter needs distinct layers")
+    return list(layer_ids)
+
+
+class FrozenTarget:
+    """A causal LM in eval mode with gradients off. Not an nn.Module on purpose: whatever holds
+    it (a LightningModule) does not put its weights in the optimizer or in checkpoints."""
+
+    def __init__(self, model, tokenizer, name_or_path: str, layer_ids: list[int] | None = None):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name_or_path = name_or_path
+        self.config = model.config
+        self.num_layers = model.config.num_hidden_layers
+        self.hidden_size = model.config.hidden_size
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.layer_ids = check_layer_ids(layer_ids or default_layer_ids(self.num_layers), self.num_layers)
+
+    @classmethod
+    def load(cls, cfg: TargetConfig, quant: QuantConfig = QuantConfig()) -> "FrozenTarget":
+        one_of("target.dtype", cfg.dtype, DTYPES)
+        one_of("quant.scheme", quant.scheme, QUANT_SCHEMES)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=DTYPES[cfg.dtype],
+                                                         trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot load target {cfg.name_or_path!r}: {str(e).splitlines()[0]}") from None
+        return cls(model, tokenizer, cfg.name_or_path, cfg.layer_ids)
+
+    def to(self, device) -> "FrozenTarget":
+        self.model.to(device)
+        return self
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetOutput:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        return TargetOutput(aux_hidden=[out.hidden_states[k].float() for k in self.layer_ids],
+                            last_hidden=out.hidden_states[-1].float(), logits=out.logits.float())

@@ -1,0 +1,1 @@
+"""Training: Lightning modules, data, recipes."""

@@ -1,0 +1,40 @@
+"""One LightningModule for every drafter family: the frozen target in, the family's loss out.
+
+A family (speculators/<family>.py) provides `from_target(cfg, target, token_counts)` and
+`training_loss(target_out, input_ids, loss_mask) -> (loss, metrics)`; nothing here knows
+which family it trains. The target is held as a plain attribute, not a submodule, so its
+weights never reach the optimizer or a checkpoint.
+"""
+
+import lightning as L
+import torch
+
+from speculators.target import FrozenTarget
+from train.optim import OptimConfig, configure
+
+
+class DrafterModule(L.LightningModule):
+    def __init__(self, drafter: torch.nn.Module, target: FrozenTarget, optim: OptimConfig, max_steps: int):
+        super().__init__()
+        self.drafter, self.target = drafter, target
+        self.optim, self.max_steps = optim, max_steps
+
+    def on_fit_start(self) -> None:
+        self.target.to(self.device)
+
+    def step(self, batch: dict, stage: str) -> torch.Tensor:
+        target_out = self.target(batch["input_ids"])
+        loss, metrics = self.drafter.training_loss(target_out, batch["input_ids"], batch["loss_mask"])
+        self.log(f"{stage}/loss", loss, prog_bar=True)
+        for name, value in metrics.items():
+            self.log(f"{stage}/{name}", value, prog_bar=name == "acc_step0")
+        return loss
+
+    def training_step(self, batch: dict, _) -> torch.Tensor:
+        return self.step(batch, "train")
+
+    def validation_step(self, batch: dict, _) -> None:
+        self.step(batch, "val")
+
+    def configure_optimizers(self):
+        return configure(list(self.drafter.parameters()), self.optim, self.max_steps)

@@ -1,0 +1,35 @@
+"""AdamW with linear warm-up and cosine decay: the schedule every recipe uses."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+
+
+def configure(params, cfg: OptimConfig, max_steps: int) -> dict:
+    """The optimizer and per-step scheduler, in the form Lightning's configure_optimizers returns."""
+    decay = [p for p in params if p.requires_grad and p.dim() >= 2]  # matrices, not norms/biases
+    no_decay = [p for p in params if p.requires_grad and p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    )
+
+    def lr_factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

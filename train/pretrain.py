@@ -1,0 +1,167 @@
+"""Pretraining the shipped default target: a small Llama on the Python standard library.
+
+`python train.py conf=target_pretrain` trains a byte-level BPE tokenizer on the train split,
+then a Llama-architecture causal LM (RMSNorm, RoPE, SwiGLU, grouped-query attention) on
+packed sequences of it, and saves both with save_pretrained. `python -m train.target_card`
+then measures the held-out loss and writes the model card.
+"""
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from train import data as corpus
+from train.optim import OptimConfig, configure
+
+EOS = "<|endoftext|>"
+
+
+@dataclass
+class ModelConfig:
+    """The target's Llama architecture (fields of transformers' LlamaConfig)."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (every byte string encodes; no unknown token) with EOS as its one special."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS)
+
+
+def token_byte_lengths(tokenizer) -> torch.Tensor:
+    """Bytes of source text per token id. Byte-level BPE spells one byte per character."""
+    lengths = torch.zeros(len(tokenizer), dtype=torch.float64)
+    for token, i in tokenizer.get_vocab().items():
+        lengths[i] = 0 if token in tokenizer.all_special_tokens else len(token)
+    return lengths
+
+
+def loss_in_bits_per_byte(model, rows: torch.Tensor, byte_lengths: torch.Tensor, batch_size: int = 8) -> tuple[float, float]:
+    """(nats per token, bits per byte of source text) of `model` over packed `rows`."""
+    nats, tokens, nbytes = 0.0, 0, 0.0
+    with torch.no_grad():
+        for batch in rows.split(batch_size):
+            logits = model(input_ids=batch).logits[:, :-1].float()
+            targets = batch[:, 1:]
+            nats += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
+            tokens += targets.numel()
+            nbytes += byte_lengths[targets].sum().item()
+    return nats / tokens, nats / math.log(2) / nbytes
+
+
+class CausalLMModule(L.LightningModule):
+    """Next-token pretraining of a transformers causal LM."""
+
+    def __init__(self, model: LlamaForCausalLM, optim: OptimConfig, max_steps: int, byte_lengths: torch.Tensor):
+        super().__init__()
+        self.model, self.optim, self.max_steps = model, optim, max_steps
+        self.register_buffer("byte_lengths", byte_lengths.float(), persistent=False)
+        self.wall_time_before = 0.0  # seconds spent in earlier (resumed) runs
+        self.started = time.time()
+
+    def training_step(self, batch, _):
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, _):
+        ids = batch["input_ids"]
+        loss = self.model(input_ids=ids, labels=ids).loss
+        bits_per_byte = loss * (ids.shape[1] - 1) * ids.shape[0] / math.log(2) / self.byte_lengths[ids[:, 1:]].sum()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/bits_per_byte", bits_per_byte, prog_bar=True)
+
+    def configure_optimizers(self):
+        return configure(list(self.model.parameters()), self.optim, self.max_steps)
+
+    def wall_time(self) -> float:
+        return self.wall_time_before + time.time() - self.started
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["wall_time"] = self.wall_time()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.wall_time_before, self.started = checkpoint.get("wall_time", 0.0), time.time()
+
+
+def prepare_tokenizer(run_dir: Path, files, vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train the tokenizer once per run directory; a resumed run reuses it."""
+    path = run_dir / "tokenizer"
+    if path.is_dir():
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    tokenizer = train_tokenizer(files["train"]["text"], vocab_size)
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+def build_model(cfg: ModelConfig, tokenizer) -> LlamaForCausalLM:
+    config = LlamaConfig(**vars(cfg), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    return LlamaForCausalLM(config)
+
+
+def save_target(module: CausalLMModule, tokenizer, files, out: Path, tokens_seen: int, data_cfg) -> None:
+    """save_pretrained in bf16 (half the bytes on disk; load it in fp32 on CPUs), plus training facts."""
+    model = module.model
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.to(torch.bfloat16).save_pretrained(out)
+    model.to(torch.float32)
+    tokenizer.save_pretrained(out)
+    n_tokens = {s: int(sum(len(ids) + 1 for ids in tokenizer(list(files[s]["text"]))["input_ids"])) for s in corpus.SPLITS}
+    facts = {
+        "corpus": {
+            "source": "Python standard library (sysconfig stdlib path, site-packages excluded)",
+            "include_tests": data_cfg.include_tests,
+            "files": {s: len(files[s]) for s in corpus.SPLITS},
+            "bytes": {s: sum(len(t.encode()) for t in files[s]["text"]) for s in corpus.SPLITS},
+            "tokens": n_tokens,
+            "content_hash": corpus.corpus_hash(files),
+        },
+        "seq_len": data_cfg.seq_len,
+        "tokens_seen": tokens_seen,
+        "wall_time_s": round(module.wall_time()),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    (out / "training.json").write_text(json.dumps(facts, indent=2))
+
+
+def run_pretrain(recipe, run_dir: Path) -> None:
+    from dataclasses import asdict
+
+    from train.run import checkpoint_to_resume, make_logger, make_trainer
+
+    files = corpus.stdlib_files(recipe.data.stdlib_path, recipe.data.include_tests)
+    tokenizer = prepare_tokenizer(run_dir, files, recipe.model.vocab_size)
+    datamodule = corpus.TextDataModule(recipe.data, files, tokenizer, recipe.seed)
+    module = CausalLMModule(build_model(recipe.model, tokenizer), recipe.optim, recipe.trainer.max_steps,
+                            token_byte_lengths(tokenizer))
+    trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, asdict(recipe)), run_dir,
+                           monitor="val/loss")
+    trainer.fit(module, datamodule, ckpt_path=checkpoint_to_resume(recipe.resume))
+    best = trainer.checkpoint_callback.best_model_path
+    if best:  # ship the checkpoint with the lowest validation loss, not merely the last
+        module.load_state_dict(torch.load(best, map_location="cpu", weights_only=True)["state_dict"])
+    tokens_seen = trainer.global_step * recipe.trainer.accumulate_grad_batches * recipe.data.batch_size * recipe.data.seq_len
+    save_target(module, tokenizer, files, run_dir / "model", tokens_seen, recipe.data)
+    print(f"target saved to {run_dir / 'model'}; measure it with: python -m train.target_card {run_dir / 'model'}")

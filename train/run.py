@@ -1,0 +1,145 @@
+"""`train.run(cfg)`: turn the composed Hydra config into typed recipes and run one.
+
+Two recipes share the Trainer, logger and checkpoint set-up below:
+- drafter (conf=eagle3, ...): distil a drafter from a frozen target, then export it;
+- pretrain (conf=target_pretrain): pretrain the shipped default target.
+"""
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from omegaconf import DictConfig
+
+from speculators.config import UserError, one_of, to_dataclass
+from speculators.target import QuantConfig, TargetConfig
+from train.data import DataConfig
+from train.optim import OptimConfig
+from train.pretrain import ModelConfig
+
+
+@dataclass
+class TrainerConfig:
+    """Lightning Trainer settings (the `trainer` config group)."""
+
+    max_steps: int = 500
+    accelerator: str = "cpu"
+    devices: int = 1
+    precision: str = "32-true"
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float = 1.0
+    log_every_n_steps: int = 10
+    val_every_n_steps: int = 100
+    checkpoint_every_n_steps: int = 100
+    progress_bar: bool = True
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment tracking (the `logger` group): W&B, offline unless configured, or none."""
+
+    kind: str = "wandb"
+    project: str = "speculators"
+    mode: str | None = None  # online/offline; None: WANDB_MODE, else online if logged in, else offline
+    name: str | None = None
+
+
+@dataclass
+class PretrainRecipe:
+    recipe: str
+    seed: int
+    resume: str | None
+    data: DataConfig
+    trainer: TrainerConfig
+    logger: LoggerConfig
+    optim: OptimConfig
+    model: ModelConfig
+
+
+@dataclass
+class DrafterRecipe:
+    recipe: str
+    seed: int
+    resume: str | None
+    target: TargetConfig
+    data: DataConfig
+    quant: QuantConfig
+    trainer: TrainerConfig
+    logger: LoggerConfig
+    optim: OptimConfig
+    drafter: Any  # the family's own config dataclass, chosen by drafter.family
+
+
+RECIPES: dict[str, Any] = {"drafter": DrafterRecipe, "pretrain": PretrainRecipe}
+
+
+def run(cfg: DictConfig, run_dir: Path) -> None:
+    one_of("recipe", cfg.get("recipe"), RECIPES)
+    recipe = to_dataclass(RECIPES[cfg.recipe], cfg)
+    if recipe.trainer.num_threads:
+        torch.set_num_threads(recipe.trainer.num_threads)
+    L.seed_everything(recipe.seed, workers=True)
+    if cfg.recipe == "pretrain":
+        from train.pretrain import run_pretrain
+        run_pretrain(recipe, run_dir)
+    else:
+        from train.distill import run_distill
+        run_distill(recipe, run_dir)
+
+
+def wandb_mode(cfg: LoggerConfig) -> str:
+    if cfg.mode:
+        return cfg.mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    logged_in = os.environ.get("WANDB_API_KEY") or "api.wandb.ai" in _netrc()
+    return "online" if logged_in else "offline"
+
+
+def _netrc() -> str:
+    path = Path.home() / ".netrc"
+    return path.read_text() if path.is_file() else ""
+
+
+def make_logger(cfg: LoggerConfig, run_dir: Path, config: dict):
+    one_of("logger.kind", cfg.kind, ("wandb", "none"))
+    if cfg.kind == "none":
+        return False
+    from lightning.pytorch.loggers import WandbLogger
+
+    return WandbLogger(project=cfg.project, name=cfg.name or run_dir.name, save_dir=str(run_dir),
+                       mode=wandb_mode(cfg), config=config)
+
+
+def make_trainer(cfg: TrainerConfig, logger, run_dir: Path, extra_callbacks=(), monitor: str | None = None) -> L.Trainer:
+    """A step-based Trainer: validation and checkpoints every N optimizer steps, last.ckpt kept."""
+    checkpoints = ModelCheckpoint(dirpath=run_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every_n_steps,
+                                  save_last=True, save_top_k=1 if monitor else 0, monitor=monitor,
+                                  filename="best" if monitor else None)
+    callbacks = [checkpoints, *extra_callbacks]
+    if logger:
+        callbacks.append(LearningRateMonitor("step"))
+    return L.Trainer(
+        max_steps=cfg.max_steps, accelerator=cfg.accelerator, devices=cfg.devices, precision=cfg.precision,
+        accumulate_grad_batches=cfg.accumulate_grad_batches, gradient_clip_val=cfg.gradient_clip_val,
+        log_every_n_steps=cfg.log_every_n_steps, val_check_interval=cfg.val_every_n_steps,
+        check_val_every_n_epoch=None, logger=logger, callbacks=callbacks, default_root_dir=run_dir,
+        enable_progress_bar=cfg.progress_bar, num_sanity_val_steps=0,
+    )
+
+
+def checkpoint_to_resume(resume: str | None) -> str | None:
+    """`resume` is a checkpoint file or a run directory (its checkpoints/last.ckpt)."""
+    if resume is None:
+        return None
+    path = Path(resume)
+    if path.is_dir():
+        path = path / "checkpoints" / "last.ckpt"
+    if not path.is_file():
+        raise UserError(f"resume={resume}: no checkpoint at {path}")
+    return str(path)
