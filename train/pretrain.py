@@ -6,6 +6,7 @@ packed sequences of it, and saves both with save_pretrained. `python -m train.ta
 then measures the held-out loss and writes the model card.
 """
 
+import copy
 import json
 import math
 import time
@@ -125,8 +126,7 @@ def save_target(module: CausalLMModule, tokenizer, files, out: Path, tokens_seen
     """save_pretrained in bf16 (half the bytes on disk; load it in fp32 on CPUs), plus training facts."""
     model = module.model
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.to(torch.bfloat16).save_pretrained(out)
-    model.to(torch.float32)
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     n_tokens = {s: int(sum(len(ids) + 1 for ids in tokenizer(list(files[s]["text"]))["input_ids"])) for s in corpus.SPLITS}
     facts = {
