@@ -21,7 +21,7 @@ from transformers import LlamaConfig
 
 from speculators import draft_vocab
 from speculators.config import UserError
-from speculators.layers import RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
+from speculators.layers import KVCache, RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
 from speculators.target import FrozenTarget, TargetOutput
 
 
@@ -180,6 +180,28 @@ class Eagle3Drafter(nn.Module):
             metrics[f"loss_step{j}"] = step_loss.detach()
             metrics[f"acc_step{j}"] = hits.sum() / counted.sum().clamp(min=1)
         return loss, metrics
+
+
+    def new_cache(self, batch: int, max_len: int, device=None) -> KVCache:
+        c = self.layer_cfg
+        return KVCache(batch, c.num_attention_heads, max_len, c.head_dim, device)
+
+    @torch.no_grad()
+    def step(self, cache: KVCache, tokens: torch.Tensor, hidden: torch.Tensor):
+        """Serve m positions appended after `cache`: tokens [B, m] and hidden inputs [B, m, H],
+        which are fused target features (`fuse`) for verified positions, or the drafter's own
+        previous output while it drafts a chain. Returns draft-vocab logits and output hidden
+        states. Drafting a chain appends one position per step; `cache.crop` undoes it.
+        """
+        layer, start, m = self.layers[0], cache.length, tokens.shape[1]
+        positions = torch.arange(start, start + m, device=tokens.device)
+        cos, sin = rotary(positions, self.layer_cfg.head_dim, rope_theta(self.layer_cfg))
+        residual, x = layer.attention_input(self.embed_tokens(tokens), hidden)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        keys, values = cache.append(k, v)
+        visible = torch.arange(start + m, device=tokens.device)[None, :] <= positions[:, None]  # causal
+        hidden = layer.finish(residual, F.scaled_dot_product_attention(q, keys, values, attn_mask=visible))
+        return self.logits(hidden), hidden
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:

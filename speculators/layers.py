@@ -49,3 +49,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+class KVCache:
+    """Preallocated keys and values [B, heads, max_len, d], gpt-fast style: appending writes in
+    place and rolling back after rejected drafts only moves `length`."""
+
+    def __init__(self, batch: int, heads: int, max_len: int, head_dim: int, device=None, dtype=torch.float32):
+        self.k = torch.zeros(batch, heads, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, heads, m, d] at the end; return all keys and values so far."""
+        end = self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache of {self.k.shape[2]} positions is full")
+        self.k[:, :, self.length:end], self.v[:, :, self.length:end] = k, v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def crop(self, length: int) -> None:
+        self.length = length

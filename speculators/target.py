@@ -88,7 +88,10 @@ class FrozenTarget:
         return self.model.get_input_embeddings()
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetOutput:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 cache=None) -> TargetOutput:
+        """Features and logits of every position; with a transformers Cache, continue after it."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                         use_cache=cache is not None, output_hidden_states=True)
         return TargetOutput(aux_hidden=[out.hidden_states[k].float() for k in self.layer_ids],
                             last_hidden=out.hidden_states[-1].float(), logits=out.logits.float())

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from speculators.config import UserError
-from train.data import SPLITS, EndlessShuffle, pack, split_of, stdlib_files
+from speculators.corpus import SPLITS, split_of, stdlib_files
+from train.data import EndlessShuffle, pack
 from train.pretrain import EOS, train_tokenizer
 
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from speculators.config import PROJECT_ROOT
-from train import data, target_card
+from speculators import corpus
+from train import target_card
+from train.data import DataConfig
 from train.optim import OptimConfig
 from train.pretrain import CausalLMModule, ModelConfig, build_model, save_target, token_byte_lengths, train_tokenizer
 
@@ -20,7 +22,7 @@ CHOICES = {"corpus": "stdlib: on every machine, offline", "vocab": "4k BPE: smal
 
 @pytest.fixture(scope="module")
 def stdlib():
-    return data.stdlib_files(None, include_tests=False)
+    return corpus.stdlib_files(None, include_tests=False)
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +36,9 @@ def model_dir(tmp_path_factory, stdlib):
     # A few train files keep save_target's token count fast; the hash is then fixed to the full corpus's.
     small = datasets.DatasetDict(train=stdlib["train"].select(range(5)), validation=stdlib["validation"], test=stdlib["test"])
     out = tmp_path_factory.mktemp("target") / "model"
-    save_target(module, tokenizer, small, out, tokens_seen=SEQ_LEN * 8, data_cfg=data.DataConfig(seq_len=SEQ_LEN))
+    save_target(module, tokenizer, small, out, tokens_seen=SEQ_LEN * 8, data_cfg=DataConfig(seq_len=SEQ_LEN))
     facts = json.loads((out / "training.json").read_text())
-    facts["corpus"]["content_hash"] = data.corpus_hash(stdlib)
+    facts["corpus"]["content_hash"] = corpus.corpus_hash(stdlib)
     facts["choices"] = CHOICES
     (out / "training.json").write_text(json.dumps(facts))
     return out

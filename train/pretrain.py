@@ -18,7 +18,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from train import data as corpus
+from speculators import corpus
+from train.data import TextDataModule
 from train.optim import OptimConfig, configure
 
 EOS = "<|endoftext|>"
@@ -153,7 +154,7 @@ def run_pretrain(recipe, run_dir: Path) -> None:
 
     files = corpus.stdlib_files(recipe.data.stdlib_path, recipe.data.include_tests)
     tokenizer = prepare_tokenizer(run_dir, files, recipe.model.vocab_size)
-    datamodule = corpus.TextDataModule(recipe.data, files, tokenizer, recipe.seed)
+    datamodule = TextDataModule(recipe.data, files, tokenizer, recipe.seed)
     module = CausalLMModule(build_model(recipe.model, tokenizer), recipe.optim, recipe.trainer.max_steps,
                             token_byte_lengths(tokenizer))
     trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, asdict(recipe)), run_dir,

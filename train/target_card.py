@@ -88,10 +88,10 @@ def load_model_and_tokenizer(model_dir: Path):
 
 def rebuild_corpus(facts: dict):
     """The same files the model saw, split by path hash; the hash tells us if they really are."""
-    from train import data
+    from speculators import corpus
 
-    files = data.stdlib_files(None, facts["corpus"]["include_tests"])
-    measured, trained = data.corpus_hash(files), facts["corpus"]["content_hash"]
+    files = corpus.stdlib_files(None, facts["corpus"]["include_tests"])
+    measured, trained = corpus.corpus_hash(files), facts["corpus"]["content_hash"]
     warning = None
     if measured != trained:
         warning = (f"corpus content hash {measured} differs from training.json's {trained}: this Python "

@@ -1,0 +1,178 @@
+"""Speculative decoding in one loop: draft K tokens, verify them in one target pass, accept,
+emit the bonus token, roll both KV caches back past the rejected drafts.
+
+Notation (Leviathan et al. 2023; Chen et al. 2023): p = the target's next-token
+distribution, q = the drafter's. Greedy verification accepts the longest prefix of drafts
+equal to the target's argmax. Sampling accepts draft x ~ q with probability
+min(1, p(x)/q(x)) and on rejection samples from norm(max(0, p - q)), so every emitted token
+is distributed exactly as the target alone would sample it.
+
+Batch size 1. The target runs through transformers with a DynamicCache; the drafter keeps a
+preallocated cache (speculators.layers.KVCache). The drafter interface is two calls:
+`fuse(aux_hidden)` -> hidden inputs for verified positions, and `step(cache, tokens, hidden)`
+-> (draft-vocab logits, hidden) for positions appended to its cache.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from speculators.config import UserError
+from speculators.target import FrozenTarget
+
+
+@dataclass
+class Stats:
+    """Counters as vLLM defines them; one "draft" is one verification step."""
+
+    k: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # drafts whose token i was accepted, i = 1..k
+    target_forwards: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+
+    def __post_init__(self):
+        self.accepted_at = self.accepted_at or [0] * self.k
+
+    def record(self, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += self.k
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+
+    def add(self, other: "Stats") -> None:
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_forwards", "ttft_s", "decode_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    stats: Stats
+
+
+def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+
+
+def verify_greedy(drafts: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
+    """(accepted count, next token): target_logits [k+1, V] from the pass over [last, *drafts]."""
+    best = target_logits.argmax(-1).tolist()
+    for i, token in enumerate(drafts):
+        if token != best[i]:
+            return i, best[i]
+    return len(drafts), best[len(drafts)]
+
+
+def verify_sampling(drafts: list[int], draft_probs: torch.Tensor, target_logits: torch.Tensor,
+                    temperature: float, generator: torch.Generator) -> tuple[int, int]:
+    """Lossless rejection sampling; draft_probs [k, V] is q in the target vocabulary."""
+    p = torch.softmax(target_logits / temperature, -1)
+    for i, token in enumerate(drafts):
+        accept_prob = min(1.0, float(p[i, token] / draft_probs[i, token]))
+        if float(torch.rand((), generator=generator)) < accept_prob:
+            continue
+        residual = (p[i] - draft_probs[i]).clamp(min=0)
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+
+
+def check_pair(target: FrozenTarget, drafter) -> None:
+    """Refuse a drafter built for another target before generating anything."""
+    hidden = drafter.fc.in_features // len(drafter.layer_ids)
+    problems = [(name, mine, theirs) for name, mine, theirs in (
+        ("hidden size", hidden, target.hidden_size),
+        ("vocabulary size", len(drafter.t2d), target.vocab_size),
+        ("d2t length (draft vocabulary)", len(drafter.d2t), drafter.lm_head.out_features),
+    ) if mine != theirs]
+    if max(drafter.layer_ids) >= target.num_layers:
+        problems.append(("feature layer ids", drafter.layer_ids, f"a target of {target.num_layers} layers"))
+    if problems:
+        raise UserError("drafter does not fit the target: " + "; ".join(
+            f"{name} {mine} (drafter) vs {theirs} (target)" for name, mine, theirs in problems))
+
+
+@torch.no_grad()
+def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: int, k: int = 5,
+             temperature: float = 0.0, seed: int = 0) -> Generation:
+    """Decode up to max_new_tokens after `prompt`; k=0 (or no drafter) is plain target decoding."""
+    limit = target.config.max_position_embeddings
+    if len(prompt) + max_new_tokens + k + 1 > limit:
+        raise UserError(f"prompt of {len(prompt)} tokens + {max_new_tokens} new + {k} drafts exceeds the "
+                        f"target's context of {limit} positions")
+    k = k if drafter is not None else 0
+    generator = torch.Generator().manual_seed(seed)
+    eos = target.tokenizer.eos_token_id
+    stats, cache = Stats(k), DynamicCache()
+    started = time.perf_counter()
+    out = target(torch.tensor([prompt]), cache=cache)
+    token = pick(out.logits[0, -1], temperature, generator)
+    stats.target_forwards, stats.ttft_s = 1, time.perf_counter() - started
+    tokens = [token]
+    if k:
+        draft_cache = drafter.new_cache(1, len(prompt) + max_new_tokens + k + 1)
+        draft_logits, hidden = drafter.step(draft_cache, torch.tensor([prompt[1:] + [token]]),
+                                            drafter.fuse(out.aux_hidden))
+    while len(tokens) < max_new_tokens and token != eos:
+        if not k:
+            out = target(torch.tensor([[token]]), cache=cache)
+            token = pick(out.logits[0, -1], temperature, generator)
+            tokens.append(token)
+            stats.target_forwards += 1
+            continue
+        # Draft: a chain of k tokens, each step appended to the drafter's cache, then undone.
+        verified, drafts, draft_probs = draft_cache.length, [], []
+        for i in range(k):
+            if i:
+                draft_logits, hidden = drafter.step(draft_cache, torch.tensor([[drafts[-1]]]), hidden[:, -1:])
+            q = draft_distribution(drafter, draft_logits[0, -1], temperature)
+            drafts.append(pick_from(q, temperature, generator))
+            draft_probs.append(q)
+        draft_cache.crop(verified)
+        # Verify: one target pass over the last emitted token and the k drafts.
+        out = target(torch.tensor([[token, *drafts]]), cache=cache)
+        stats.target_forwards += 1
+        logits = out.logits[0]
+        if temperature == 0:
+            accepted, token = verify_greedy(drafts, logits)
+        else:
+            accepted, token = verify_sampling(drafts, torch.stack(draft_probs), logits, temperature, generator)
+        stats.record(accepted)
+        if accepted < k:
+            cache.crop(-(k - accepted))  # transformers 5: a negative length drops that many positions
+        new = drafts[:accepted] + [token]
+        tokens += new
+        # The drafter reads the target's features of the accepted positions and proposes the next chain.
+        draft_logits, hidden = drafter.step(draft_cache, torch.tensor([new]),
+                                            drafter.fuse([h[:, : accepted + 1] for h in out.aux_hidden]))
+    stats.decode_s = time.perf_counter() - started - stats.ttft_s
+    return Generation(truncate(tokens, max_new_tokens, eos), stats)
+
+
+def draft_distribution(drafter, draft_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """q over the target vocabulary (zero outside the draft vocab); one-hot when greedy."""
+    q = torch.zeros(len(drafter.t2d))
+    if temperature == 0:
+        q[drafter.draft_to_target[draft_logits.argmax()]] = 1.0
+    else:
+        q[drafter.draft_to_target] = torch.softmax(draft_logits / temperature, -1)
+    return q
+
+
+def pick_from(q: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    return int(q.argmax()) if temperature == 0 else int(torch.multinomial(q, 1, generator=generator))
+
+
+def truncate(tokens: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+    """Speculation may overshoot by up to k tokens; cut at max_new_tokens and after EOS."""
+    tokens = tokens[:max_new_tokens]
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens

@@ -1,0 +1,88 @@
+"""`python train.py`: one real end-to-end run on a tiny target, and the one-line errors of bad command lines."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from conftest import LAYER_IDS, VOCAB_SIZE
+
+REPO = Path(__file__).resolve().parent.parent
+DRAFT = 128
+
+
+def run_train(args, cwd: Path, timeout: int):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "0"}
+    env.pop("SPECULATORS_TRACEBACK", None)
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_eagle3_end_to_end(llama_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    layer_ids = "[" + ",".join(map(str, LAYER_IDS)) + "]"
+    result = run_train([
+        "conf=eagle3", "trainer.max_steps=3", "logger=none", f"hydra.run.dir={run_dir}",
+        f"target.name_or_path={llama_dir}", f"target.layer_ids={layer_ids}", f"drafter.draft_vocab_size={DRAFT}",
+        "drafter.ttt_steps=3", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
+        "trainer.val_every_n_steps=3", "trainer.checkpoint_every_n_steps=3", "trainer.num_threads=1",
+        "trainer.progress_bar=false",
+    ], cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    export_dir = run_dir / "export"
+    assert f"export: {export_dir}" in result.stdout
+    config = json.loads((export_dir / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["draft_vocab_size"] == DRAFT
+    assert config["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(llama_dir)
+    with safe_open(str(export_dir / "model.safetensors"), "pt") as f:
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    assert d2t.dtype == torch.int64 and d2t.shape == (DRAFT,)
+    assert t2d.dtype == torch.bool and t2d.shape == (VOCAB_SIZE,)
+    assert int(t2d.sum()) == DRAFT
+    assert torch.equal(torch.arange(DRAFT) + d2t, torch.nonzero(t2d).flatten())
+
+    report = json.loads((run_dir / "acceptance.json").read_text())
+    curve = report["conditional_acceptance_per_step"]
+    assert len(curve) == 3 and all(0.0 <= a <= 1.0 for a in curve)
+
+    # The checkpoint holds the drafter only, never the target's weights.
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 3
+    assert ckpt["state_dict"] and all(k.startswith("drafter.") for k in ckpt["state_dict"])
+
+
+def assert_one_line_error(result):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines, "no error message on stderr"
+    assert lines[-1].startswith("error:"), result.stderr
+    return lines[-1]
+
+
+def test_unknown_recipe_names_the_choices(tmp_path):
+    result = run_train(["conf=nope", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=120)
+    last = assert_one_line_error(result)
+    assert "nope" in last and "eagle3" in last and "target_pretrain" in last
+
+
+def test_unknown_key_names_the_allowed_keys(tmp_path):
+    result = run_train(["+trainer.foo=1", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                       timeout=300)
+    last = assert_one_line_error(result)
+    assert "trainer.foo" in last and "max_steps" in last and "val_every_n_steps" in last
+    assert not (tmp_path / "run" / "export").exists()
+
+
+def test_bad_value_is_a_one_line_error(tmp_path):
+    result = run_train(["trainer.max_steps=abc", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                       timeout=300)
+    last = assert_one_line_error(result)
+    assert "trainer.max_steps" in last and "abc" in last

@@ -1,0 +1,121 @@
+"""The frozen target: feature layer ids, the features and logits it returns, and that it never trains."""
+
+import pytest
+import torch
+
+from conftest import LAYER_IDS, make_model
+from speculators.config import UserError
+from speculators.target import FrozenTarget, TargetConfig
+
+
+@pytest.fixture(scope="module")
+def eight_layer_llama(tokenizer):
+    return make_model("llama", tokenizer, num_layers=8, seed=1)
+
+
+def test_default_layer_ids_for_eight_layers(eight_layer_llama, tokenizer):
+    target = FrozenTarget(eight_layer_llama, tokenizer, "tiny-llama-8")
+    assert target.num_layers == 8
+    assert target.layer_ids == [2, 4, 5]  # hidden_states[2], [L//2], [L-3]
+
+
+def test_explicit_layer_ids_are_kept(eight_layer_llama, tokenizer):
+    assert FrozenTarget(eight_layer_llama, tokenizer, "x", [7, 0, 3]).layer_ids == [7, 0, 3]
+
+
+@pytest.mark.parametrize("ids,bad", [([0, 1, 8], 8), ([-1, 2, 3], -1), ([2, 4, 100], 100)])
+def test_out_of_range_layer_ids_are_a_user_error(eight_layer_llama, tokenizer, ids, bad):
+    with pytest.raises(UserError) as e:
+        FrozenTarget(eight_layer_llama, tokenizer, "x", ids)
+    msg = str(e.value)
+    assert "out of range" in msg and f"[{bad}]" in msg and "8 layers" in msg and "layer_ids" in msg
+
+
+def test_default_layer_ids_of_small_targets_are_refused(tokenizer):
+    four = make_model("llama", tokenizer, num_layers=4)
+    with pytest.raises(UserError, match="duplicate"):
+        FrozenTarget(four, tokenizer, "x")  # default [2, 2, 1]
+    two = make_model("llama", tokenizer, num_layers=2)
+    with pytest.raises(UserError) as e:
+        FrozenTarget(two, tokenizer, "x")  # default [2, 1, -1]
+    assert "out of range" in str(e.value) and "explicit" in str(e.value)
+
+
+def test_duplicate_layer_ids_are_a_user_error(eight_layer_llama, tokenizer):
+    with pytest.raises(UserError) as e:
+        FrozenTarget(eight_layer_llama, tokenizer, "x", [3, 5, 3])
+    assert "duplicate" in str(e.value) and "[3, 5, 3]" in str(e.value)
+
+
+def test_load_checks_layer_ids_and_paths(llama_dir, tmp_path):
+    with pytest.raises(UserError, match="out of range"):
+        FrozenTarget.load(TargetConfig(name_or_path=str(llama_dir), layer_ids=[0, 1, 4]))
+    with pytest.raises(UserError, match="cannot load target"):
+        FrozenTarget.load(TargetConfig(name_or_path=str(tmp_path / "missing")))
+    with pytest.raises(UserError, match="target.dtype"):
+        FrozenTarget.load(TargetConfig(name_or_path=str(llama_dir), layer_ids=LAYER_IDS, dtype="fp8"))
+
+
+def residual_streams(model, input_ids):
+    """Reference features by forward hooks: [embeddings, after layer 1, ..., after layer L, final norm]."""
+    inner = model.model
+    captured = {}
+    hooks = [inner.embed_tokens.register_forward_hook(lambda m, i, o: captured.__setitem__(0, o))]
+    for k, layer in enumerate(inner.layers, start=1):
+        hooks.append(layer.register_forward_hook(
+            lambda m, i, o, k=k: captured.__setitem__(k, o[0] if isinstance(o, tuple) else o)))
+    hooks.append(inner.norm.register_forward_hook(lambda m, i, o: captured.__setitem__("norm", o)))
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits
+    for h in hooks:
+        h.remove()
+    return captured, logits
+
+
+def test_features_and_logits_match_the_model(target, text_batch):
+    ids = text_batch[:, :32]
+    out = target(ids)
+    with torch.no_grad():
+        hf = target.model(input_ids=ids, output_hidden_states=True)
+    streams, logits = residual_streams(target.model, ids)
+    assert len(out.aux_hidden) == len(LAYER_IDS)
+    for k, feature in zip(LAYER_IDS, out.aux_hidden):
+        assert feature.shape == (2, 32, target.hidden_size) and feature.dtype == torch.float32
+        torch.testing.assert_close(feature, hf.hidden_states[k].float())
+        torch.testing.assert_close(feature, streams[k].float())  # the residual stream after k layers
+    # Distinct layers give distinct features (not the same tensor three times).
+    assert not torch.allclose(out.aux_hidden[0], out.aux_hidden[1])
+    torch.testing.assert_close(out.last_hidden, streams["norm"].float())
+    torch.testing.assert_close(out.logits, logits.float())
+    torch.testing.assert_close(out.logits, hf.logits.float())
+    assert out.logits.shape == (2, 32, target.vocab_size)
+    assert not out.logits.requires_grad and not any(h.requires_grad for h in out.aux_hidden)
+
+
+def test_target_is_frozen(target):
+    assert not target.model.training
+    params = list(target.model.parameters())
+    assert params and not any(p.requires_grad for p in params)
+    assert not isinstance(target, torch.nn.Module)  # so no holder registers it as a submodule
+
+
+def test_drafter_module_holds_no_target_weights(llama_target, make_drafter):
+    from train.module import DrafterModule
+    from train.optim import OptimConfig
+
+    drafter = make_drafter(llama_target)
+    module = DrafterModule(drafter, llama_target, OptimConfig(), max_steps=10)
+    target_ptrs = {p.data_ptr() for p in llama_target.model.parameters()}
+    target_ids = {id(p) for p in llama_target.model.parameters()}
+
+    state = module.state_dict()
+    assert set(state) == {f"drafter.{k}" for k in drafter.state_dict()}
+    assert not any(t.data_ptr() in target_ptrs for t in state.values())
+    assert not any(id(p) in target_ids for p in module.parameters())
+
+    optimizer = module.configure_optimizers()["optimizer"]
+    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+    assert not any(id(p) in target_ids or p.data_ptr() in target_ptrs for p in in_optimizer)
+    trainable = {id(p) for p in drafter.parameters() if p.requires_grad}
+    assert {id(p) for p in in_optimizer} == trainable
+    assert id(drafter.embed_tokens.weight) not in trainable  # the frozen copy of the target's embeddings
