@@ -49,7 +49,7 @@ def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
         raise UserError(f"target.layer_ids {layer_ids}: {bad} out of range for a target of {num_layers} layers "
                         f"(valid: 0..{num_layers - 1}); small targets need explicit ids, e.g. target.layer_ids=[0,1,2]")
     if len(set(layer_ids)) != len(layer_ids):
-        raise UserError(f"target.layer_ids {layer_ids} has duplicates; the drafter needs distinct layers")
+        raise UserError(f"target.layer_ids {layer_ids} has duplicates; the drafter needs distinct layers (small targets need explicit ids, e.g. target.layer_ids=[0,1,2])")
     return list(layer_ids)
 
 

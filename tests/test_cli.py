@@ -48,9 +48,11 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
     assert int(t2d.sum()) == DRAFT
     assert torch.equal(torch.arange(DRAFT) + d2t, torch.nonzero(t2d).flatten())
 
-    report = json.loads((run_dir / "acceptance.json").read_text())
-    curve = report["conditional_acceptance_per_step"]
-    assert len(curve) == 3 and all(0.0 <= a <= 1.0 for a in curve)
+    report = json.loads((run_dir / "acceptance" / "report.json").read_text())
+    for curve in (report["acceptance_rate_per_position"], report["offline_accuracy_per_step"]):
+        assert len(curve) == 3 and all(0.0 <= a <= 1.0 for a in curve)
+    assert report["outputs_match_baseline"] is True
+    assert (run_dir / "acceptance" / "acceptance.png").stat().st_size > 0
 
     # The checkpoint holds the drafter only, never the target's weights.
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)

@@ -1,11 +1,11 @@
-"""The drafter recipe: distil a drafter from the frozen target, export it, report acceptance."""
+"""The drafter recipe: distil a drafter from the frozen target, export it, report its acceptance."""
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from inference import report
 from speculators import draft_vocab, export
 from speculators.config import to_dataclass
 from speculators.families import family
@@ -34,23 +34,17 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
 
     export_dir = export.save(drafter, run_dir / "export", recipe.target.name_or_path,
                              export.verifier_architectures(target))
-    report = write_offline_acceptance(trainer.validate(module, datamodule, verbose=False)[0],
-                                      drafter_cfg.ttt_steps, run_dir / "acceptance.json")
-    print(f"\nexport: {export_dir}\nacceptance report: {report}")
+    offline = trainer.validate(module, datamodule, verbose=False)[0]
+    if trainer.logger:
+        trainer.logger.experiment.finish()  # flush W&B before the closing lines, not after them
+    report_path = acceptance_report(drafter.eval(), target, offline, drafter_cfg.ttt_steps, run_dir / "acceptance")
+    print(f"\nexport: {export_dir}\nacceptance report: {report_path}")
 
 
-def write_offline_acceptance(val_metrics: dict, steps: int, path: Path) -> Path:
-    """Per-step accuracy on held-out data: the offline acceptance curve.
-
-    Step j's accuracy is measured with teacher-forced inputs, so it estimates the chance that
-    draft token j+1 is accepted given the ones before it were; tau is estimated from their
-    running products.
-    """
-    curve = [float(val_metrics[f"val/acc_step{j}"]) for j in range(steps)]
-    tau, survive = 1.0, 1.0
-    for accuracy in curve:
-        survive *= accuracy
-        tau += survive
-    path.write_text(json.dumps({"conditional_acceptance_per_step": curve, "estimated_acceptance_length": tau,
-                                "val_loss": float(val_metrics["val/loss"])}, indent=2))
-    return path
+def acceptance_report(drafter, target, offline: dict, steps: int, out_dir: Path) -> Path:
+    """Serve the drafter with the bundled engine on held-out prompts: the figures a serving
+    engine would see. Beside them, the per-step accuracy of validation (teacher-forced)."""
+    cfg = report.InferenceConfig(drafter=str(out_dir.parent / "export"), num_speculative_tokens=steps)
+    result = report.measure(target, drafter, report.heldout_prompts(cfg.num_prompts, cfg.prompt_lines), cfg)
+    result["offline_accuracy_per_step"] = [float(offline[f"val/acc_step{j}"]) for j in range(steps)]
+    return report.write(result, out_dir)

@@ -1,0 +1,31 @@
+"""`python -m inference drafter=<export dir> [target=...] [prompts=...] [max_new_tokens=N]
+[temperature=T] [num_speculative_tokens=K] [out=DIR]`: speculative decoding and its report."""
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from speculators.config import exit_on_user_error, run_cli, to_dataclass
+
+
+# Its own config folder: `target=<path>` is a plain value here, not the training group.
+@hydra.main(config_path="../conf/inference", config_name="config", version_base="1.3")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    from inference import report
+    from speculators import export
+    from speculators.target import FrozenTarget, TargetConfig
+
+    cfg = to_dataclass(report.InferenceConfig, cfg)
+    drafter, drafter_config = export.load(Path(cfg.drafter))
+    verifier = cfg.target or drafter_config["speculators_config"]["verifier"]["name_or_path"]
+    target = FrozenTarget.load(TargetConfig(name_or_path=verifier, layer_ids=drafter.layer_ids))
+    result = report.measure(target, drafter, report.load_prompts(cfg), cfg)
+    path = report.write(result, Path(cfg.out or HydraConfig.get().runtime.output_dir))
+    print(f"report: {path}")
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,143 @@
+"""Acceptance report: speculative decoding against target-only decoding on the same prompts.
+
+Writes <out>/report.json (vLLM's metric definitions, DESIGN.md section 3), <out>/acceptance.png
+(acceptance rate per draft position) and prints a table. Baseline and speculative runs are
+interleaved prompt by prompt, so both see the same machine load.
+"""
+
+import json
+import platform
+import resource
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from inference.engine import Stats, check_pair, generate
+from speculators import corpus
+from speculators.config import UserError
+
+
+@dataclass
+class InferenceConfig:
+    drafter: str = "???"  # an export folder (vLLM speculators format)
+    target: str | None = None  # None: the verifier named in the drafter's config
+    prompts: str = "heldout"  # heldout: first lines of test-split stdlib files; or a text file, one prompt per line
+    num_prompts: int = 8
+    prompt_lines: int = 6
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    num_speculative_tokens: int = 5
+    seed: int = 0
+    out: str | None = None  # None: the Hydra run directory
+
+
+def heldout_prompts(count: int, lines: int) -> list[str]:
+    """The first lines of the first `count` test-split files: code no target or drafter trained on."""
+    test = corpus.stdlib_files()["test"]
+    return ["".join(text.splitlines(keepends=True)[:lines]) for text in test["text"][:count]]
+
+
+def load_prompts(cfg: InferenceConfig) -> list[str]:
+    if cfg.prompts == "heldout":
+        return heldout_prompts(cfg.num_prompts, cfg.prompt_lines)
+    path = Path(cfg.prompts)
+    if not path.is_file():
+        raise UserError(f"prompts={cfg.prompts!r}: use 'heldout' or a text file with one prompt per line")
+    prompts = [line.replace("\\n", "\n") for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise UserError(f"prompts file {path} has no prompts")
+    return prompts[: cfg.num_prompts]
+
+
+def measure(target, drafter, prompts: list[str], cfg: InferenceConfig) -> dict:
+    """Run baseline and speculative decoding on every prompt; return the report as a dict."""
+    k = cfg.num_speculative_tokens
+    if drafter is not None and k:
+        check_pair(target, drafter)
+    spec_total, base_total, rows = Stats(k), Stats(0), []
+    for i, text in enumerate(prompts):
+        ids = target.tokenizer(text)["input_ids"]
+        base = generate(target, None, ids, cfg.max_new_tokens, 0, cfg.temperature, cfg.seed + i)
+        spec = generate(target, drafter, ids, cfg.max_new_tokens, k, cfg.temperature, cfg.seed + i)
+        base_total.add(base.stats)
+        spec_total.add(spec.stats)
+        rows.append({"prompt": text, "prompt_ids": ids, "output_ids": spec.tokens,
+                     "output": target.tokenizer.decode(spec.tokens), "baseline_output_ids": base.tokens,
+                     "matches_baseline": spec.tokens == base.tokens})
+    new_tokens = sum(len(r["output_ids"]) for r in rows)
+    base_tokens = sum(len(r["baseline_output_ids"]) for r in rows)
+    drafts = max(spec_total.num_drafts, 1)
+    spec_speed = new_tokens / (spec_total.ttft_s + spec_total.decode_s)
+    base_speed = base_tokens / (base_total.ttft_s + base_total.decode_s)
+    return {
+        "acceptance_length": 1 + spec_total.num_accepted_tokens / drafts,
+        "acceptance_rate_per_position": [a / drafts for a in spec_total.accepted_at],
+        "num_drafts": spec_total.num_drafts,
+        "num_draft_tokens": spec_total.num_draft_tokens,
+        "num_accepted_tokens": spec_total.num_accepted_tokens,
+        "target_forwards": spec_total.target_forwards,
+        "baseline_target_forwards": base_total.target_forwards,
+        "tokens_per_second": spec_speed,
+        "baseline_tokens_per_second": base_speed,
+        "speedup": spec_speed / base_speed,
+        "ttft_s": spec_total.ttft_s / len(prompts),
+        "tpot_s": spec_total.decode_s / max(new_tokens - len(prompts), 1),
+        "baseline_tpot_s": base_total.decode_s / max(base_tokens - len(prompts), 1),
+        "peak_memory_mb": peak_memory_mb(),
+        "outputs_match_baseline": all(r["matches_baseline"] for r in rows) if cfg.temperature == 0 else None,
+        "prompts": rows,
+        "config": asdict(cfg),
+        "git_revision": git_revision(),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": torch.get_num_threads(),
+                    "torch": torch.__version__},
+    }
+
+
+def peak_memory_mb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB: the process's peak RSS
+
+
+def git_revision() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def write(report: dict, out_dir: Path) -> Path:
+    """report.json and acceptance.png in out_dir; the table on the console."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    rates = report["acceptance_rate_per_position"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(range(1, len(rates) + 1), rates, marker="o")
+    ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1), xticks=range(1, len(rates) + 1),
+           title=f"acceptance length tau = {report['acceptance_length']:.2f}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "acceptance.png", dpi=120)
+    plt.close(fig)
+    print(table(report))
+    return out_dir / "report.json"
+
+
+def table(report: dict) -> str:
+    lines = [f"{'position':>8} {'acceptance':>10}"]
+    lines += [f"{i:>8} {rate:>10.3f}" for i, rate in enumerate(report["acceptance_rate_per_position"], 1)]
+    lines += [
+        f"acceptance length tau: {report['acceptance_length']:.3f} over {report['num_drafts']} drafts",
+        f"tokens/s: {report['tokens_per_second']:.1f} speculative vs {report['baseline_tokens_per_second']:.1f} "
+        f"target-only (speed-up {report['speedup']:.2f}x)",
+        f"outputs match target-only greedy: {report['outputs_match_baseline']}",
+    ]
+    return "\n".join(lines)
