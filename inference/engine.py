@@ -7,7 +7,8 @@ equal to the target's argmax. Sampling accepts draft x ~ q with probability
 min(1, p(x)/q(x)) and on rejection samples from norm(max(0, p - q)), so every emitted token
 is distributed exactly as the target alone would sample it.
 
-Batch size 1. The target runs through transformers with a DynamicCache; the drafter keeps a
+Batch size 1. The target runs in a session (inference.sessions: a preallocated cache for
+Llama-family targets, transformers' DynamicCache otherwise); the drafter keeps a
 preallocated cache (speculators.layers.KVCache). The drafter interface is two calls:
 `fuse(aux_hidden)` -> hidden inputs for verified positions, and `step(cache, tokens, hidden)`
 -> (draft-vocab logits, hidden) for positions appended to its cache.
@@ -17,8 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
-
+from inference.sessions import open_session
 from speculators.config import UserError
 from speculators.target import FrozenTarget
 
@@ -112,19 +112,20 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
     k = k if drafter is not None else 0
     generator = torch.Generator().manual_seed(seed)
     eos = target.tokenizer.eos_token_id
-    stats, cache = Stats(k), DynamicCache()
+    max_len = len(prompt) + max_new_tokens + k + 1
+    stats, session = Stats(k), open_session(target, max_len)
     started = time.perf_counter()
-    out = target(torch.tensor([prompt]), cache=cache)
+    out = session(torch.tensor([prompt]))
     token = pick(out.logits[0, -1], temperature, generator)
     stats.target_forwards, stats.ttft_s = 1, time.perf_counter() - started
     tokens = [token]
     if k:
-        draft_cache = drafter.new_cache(1, len(prompt) + max_new_tokens + k + 1)
+        draft_cache = drafter.new_cache(1, max_len)
         draft_logits, hidden = drafter.step(draft_cache, torch.tensor([prompt[1:] + [token]]),
                                             drafter.fuse(out.aux_hidden))
     while len(tokens) < max_new_tokens and token != eos:
         if not k:
-            out = target(torch.tensor([[token]]), cache=cache)
+            out = session(torch.tensor([[token]]))
             token = pick(out.logits[0, -1], temperature, generator)
             tokens.append(token)
             stats.target_forwards += 1
@@ -139,7 +140,7 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
             draft_probs.append(q)
         draft_cache.crop(verified)
         # Verify: one target pass over the last emitted token and the k drafts.
-        out = target(torch.tensor([[token, *drafts]]), cache=cache)
+        out = session(torch.tensor([[token, *drafts]]))
         stats.target_forwards += 1
         logits = out.logits[0]
         if temperature == 0:
@@ -147,8 +148,7 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
         else:
             accepted, token = verify_sampling(drafts, torch.stack(draft_probs), logits, temperature, generator)
         stats.record(accepted)
-        if accepted < k:
-            cache.crop(-(k - accepted))  # transformers 5: a negative length drops that many positions
+        session.crop(session.length - (k - accepted))  # forget the rejected drafts
         new = drafts[:accepted] + [token]
         tokens += new
         # The drafter reads the target's features of the accepted positions and proposes the next chain.

@@ -1,0 +1,94 @@
+"""Target decoding sessions: a KV cache that grows as tokens are verified and rolls back.
+
+`StaticSession` runs a Llama-family target (Llama, Qwen2, Qwen3, Mistral) with a short loop
+over its own transformers modules and a preallocated cache, gpt-fast style: rolling back is
+moving `length`, and one decode step is a few dozen PyTorch calls. Per-call overhead, not
+arithmetic, decides decode speed for small models on CPUs (DESIGN.md section 5), and HF's
+generic forward spends most of a step there. `HFSession` runs any other causal LM through
+transformers with a DynamicCache. Both return a speculators.target.TargetOutput.
+"""
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from speculators.target import FrozenTarget, TargetOutput
+
+STATIC_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+
+
+class HFSession:
+    def __init__(self, target: FrozenTarget):
+        self.target, self.cache, self.length = target, DynamicCache(), 0
+
+    def __call__(self, tokens: torch.Tensor) -> TargetOutput:
+        self.length += tokens.shape[1]
+        return self.target(tokens, cache=self.cache)
+
+    def crop(self, length: int) -> None:
+        if length < self.length:
+            self.cache.crop(length - self.length)  # transformers 5: negative = positions to drop
+        self.length = length
+
+
+class StaticSession:
+    def __init__(self, target: FrozenTarget, max_len: int):
+        model, c = target.model.model, target.config
+        self.target, self.layers, self.length = target, model.layers, 0
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        param = next(model.parameters())
+        self.k = torch.zeros(len(self.layers), 1, kv_heads, max_len, self.head_dim, dtype=param.dtype, device=param.device)
+        self.v = torch.zeros_like(self.k)
+        # cos/sin of every position once, from the model's own rotary module (any RoPE scaling it has).
+        cos, sin = model.rotary_emb(self.k, torch.arange(max_len, device=param.device)[None])
+        self.cos, self.sin = cos[:, None], sin[:, None]  # [1, 1, max_len, head_dim]
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor) -> TargetOutput:
+        model, start = self.target.model.model, self.length
+        end = start + tokens.shape[1]
+        if end > self.k.shape[3]:
+            raise ValueError(f"the session's cache holds {self.k.shape[3]} positions; {end} needed")
+        cos, sin = self.cos[:, :, start:end], self.sin[:, :, start:end]
+        visible = torch.arange(end, device=tokens.device)[None] <= torch.arange(start, end, device=tokens.device)[:, None]
+        x, aux = model.embed_tokens(tokens), {}
+        for i, layer in enumerate(self.layers):
+            aux[i] = x  # hidden_states[i]: the residual stream entering layer i
+            x = x + self.attention(i, layer.self_attn, layer.input_layernorm(x), cos, sin, start, end, visible)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        self.length = end
+        last = model.norm(x)
+        return TargetOutput(aux_hidden=[aux[k] for k in self.target.layer_ids], last_hidden=last,
+                            logits=self.target.model.lm_head(last).float())
+
+    def attention(self, i, attn, h, cos, sin, start, end, visible):
+        B, m, _ = h.shape
+        q = attn.q_proj(h).view(B, m, -1, self.head_dim)
+        k = attn.k_proj(h).view(B, m, -1, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's q and k before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        self.k[i, :, :, start:end] = k
+        self.v[i, :, :, start:end] = attn.v_proj(h).view(B, m, -1, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, self.k[i, :, :, :end], self.v[i, :, :, :end], attn_mask=visible,
+                                             scale=attn.scaling, enable_gqa=True)
+        return attn.o_proj(out.transpose(1, 2).reshape(B, m, -1))
+
+    def crop(self, length: int) -> None:
+        self.length = length
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def open_session(target: FrozenTarget, max_len: int):
+    """The static fast path for Llama-family targets without sliding windows; HF otherwise."""
+    c = target.config
+    windowed = getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True)
+    if c.model_type in STATIC_MODEL_TYPES and not windowed:
+        return StaticSession(target, max_len)
+    return HFSession(target)

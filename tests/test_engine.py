@@ -1,0 +1,465 @@
+"""The speculative-decoding engine (inference/engine.py) and the drafter's serving path.
+
+1. Greedy speculation is lossless: token for token the target's own greedy output, with a random
+   drafter (nothing accepted) and with an oracle drafter that is right except at chosen positions
+   (partial acceptance, so both KV caches are rolled back), and the counters follow vLLM's definitions.
+2. Sampling is lossless: chi-square goodness of fit of the emitted tokens to the target's distribution,
+   for verify_sampling alone and end to end through generate().
+3. Bad input: a drafter built for another target, decoding without a drafter, prompts too long.
+4. Serving computes what training trains: Eagle3Drafter.step over a prefix and along a draft chain
+   equals the training-time-test unroll of training_loss.
+
+Indexing used throughout (engine.generate and the eagle3 docstring): the drafter's cache index s
+holds the target's features of sequence position s and the token at s+1; its logits there predict
+the token at s+2. A verified prefix of n sequence tokens fills cache indices 0..n-2; draft i of a
+round (i = 0..k-1) comes from cache index n-2+i and proposes sequence token n+i.
+"""
+
+import math
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import DRAFT_VOCAB, LAYER_IDS
+from inference.engine import check_pair, generate, verify_sampling
+from speculators.config import UserError
+from speculators.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
+from speculators.target import FrozenTarget
+
+MAX_NEW = 40
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def prompts_of(text_batch) -> list[list[int]]:
+    return [text_batch[0, :12].tolist(), text_batch[1, 7:22].tolist()]
+
+
+def check_stats(stats, k: int, emitted: int) -> None:
+    """vLLM's counters: one draft = one verification step; accepted_at[i] = drafts whose token i+1 was accepted."""
+    assert stats.k == k and len(stats.accepted_at) == k
+    assert stats.num_draft_tokens == k * stats.num_drafts
+    assert all(a >= b for a, b in zip(stats.accepted_at, stats.accepted_at[1:])), stats.accepted_at
+    assert stats.accepted_at[0] <= stats.num_drafts
+    assert sum(stats.accepted_at) == stats.num_accepted_tokens
+    assert 0 <= stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert stats.target_forwards == stats.num_drafts + 1  # the prefill, then one pass per draft
+    # Every verification emits its accepted drafts plus one token; the prefill emits the first.
+    assert emitted <= 1 + stats.num_drafts + stats.num_accepted_tokens
+
+
+def capture_caches(drafter, monkeypatch) -> list:
+    """Keep every cache generate() asks the drafter for, to inspect it after generation."""
+    caches, new_cache = [], drafter.new_cache
+
+    def recording(*args, **kwargs):
+        caches.append(new_cache(*args, **kwargs))
+        return caches[-1]
+
+    monkeypatch.setattr(drafter, "new_cache", recording)
+    return caches
+
+
+def fused_features(target, seq: list[int]) -> torch.Tensor:
+    """The target's aux features of every position of `seq`, concatenated: [len(seq), n_aux * H]."""
+    return torch.cat(target(torch.tensor([seq])).aux_hidden, dim=-1)[0]
+
+
+def chi2_sf(stat: float, df: int) -> float:
+    """P(X >= stat) for X ~ chi-square(df): the regularized upper incomplete gamma Q(df/2, stat/2)."""
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson's statistic and degrees of freedom; cells expected below `min_expected` are pooled into one."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    expected = counts.sum() * probs / probs.sum()
+    small = expected < min_expected
+    obs = torch.cat([counts[~small], counts[small].sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    if bool(small.any()) and exp[-1] < min_expected and len(exp) > 1:  # the pooled cell itself too small
+        obs = torch.cat([obs[:-2], obs[-2:].sum().view(1)])
+        exp = torch.cat([exp[:-2], exp[-2:].sum().view(1)])
+    assert len(exp) >= 2
+    return float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
+
+
+ALPHA = 0.001  # every goodness-of-fit test below rejects at this level; seeds are fixed, so it is deterministic
+
+
+def test_chi2_sf_matches_the_table():
+    # Table values of the chi-square distribution at alpha = 0.001: df=7 -> 24.322, df=63 -> 103.442.
+    assert chi2_sf(24.322, 7) == pytest.approx(0.001, rel=1e-3)
+    assert chi2_sf(103.442, 63) == pytest.approx(0.001, rel=1e-3)
+    assert chi2_sf(0.0, 5) == pytest.approx(1.0)
+
+
+# --- 1. greedy speculation is lossless ----------------------------------------------------------
+
+
+class OracleCache:
+    """The drafter cache's interface (length, crop) over what the engine fed to each cache index."""
+
+    def __init__(self, max_len: int):
+        self.length = 0
+        self.tokens = torch.full((max_len,), -1, dtype=torch.long)
+        self.hidden: list = [None] * max_len
+
+    def append(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        end = self.length + tokens.shape[1]
+        if end > len(self.tokens):
+            raise ValueError(f"oracle cache of {len(self.tokens)} positions is full")
+        self.tokens[self.length:end] = tokens[0]
+        for i in range(tokens.shape[1]):
+            self.hidden[self.length + i] = hidden[0, i]
+        self.length = end
+
+    def crop(self, length: int) -> None:
+        self.length = length
+
+
+class OracleDrafter:
+    """A fake drafter that knows the target's greedy continuation `seq` (prompt + output).
+
+    At cache index s it proposes seq[s + 2] (the token the real drafter there is trained to predict),
+    except where `wrong(s)`, where it proposes another token, which greedy verification must reject.
+    Full target vocabulary as its draft vocabulary; its "hidden" is the fused features, passed through.
+    """
+
+    def __init__(self, target, seq: list[int], wrong):
+        H, V = target.hidden_size, target.vocab_size
+        self.seq, self.wrong, self.vocab_size = seq, wrong, V
+        self.layer_ids = list(target.layer_ids)
+        self.fc = nn.Linear(len(self.layer_ids) * H, H, bias=False)  # only read by check_pair
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.d2t = torch.zeros(V, dtype=torch.long)
+        self.t2d = torch.ones(V, dtype=torch.bool)
+        self.caches: list[OracleCache] = []
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        return torch.arange(self.vocab_size) + self.d2t
+
+    def new_cache(self, batch: int, max_len: int, device=None) -> OracleCache:
+        assert batch == 1
+        self.caches.append(OracleCache(max_len))
+        return self.caches[-1]
+
+    def fuse(self, aux_hidden: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(aux_hidden, dim=-1)
+
+    def proposal(self, s: int) -> int:
+        right = self.seq[s + 2] if s + 2 < len(self.seq) else 0
+        return (right + 1) % self.vocab_size if self.wrong(s) else right
+
+    def step(self, cache: OracleCache, tokens: torch.Tensor, hidden: torch.Tensor):
+        assert tokens.shape[0] == 1 and hidden.shape[:2] == tokens.shape, (tokens.shape, hidden.shape)
+        start, m = cache.length, tokens.shape[1]
+        cache.append(tokens, hidden)
+        logits = torch.zeros(1, m, self.vocab_size)
+        for i in range(m):
+            logits[0, i, self.proposal(start + i)] = 10.0
+        return logits, hidden
+
+
+def wrong_positions(s: int) -> bool:
+    """Deterministic misses at irregular gaps (1, 3, 4, 6), so rounds end early at various draft
+    positions, some reject their first draft and some accept all k (checked below, k = 3 and 5)."""
+    return s % 14 in (0, 1, 4, 8)
+
+
+def predicted_rounds(prompt_len: int, k: int, max_new: int, wrong) -> list[int]:
+    """Accepted count of every verification step with the oracle, from the indexing in the module docstring."""
+    n, emitted, rounds = prompt_len + 1, 1, []  # after the prefill: prompt + one token verified
+    while emitted < max_new:
+        first_wrong = [i for i in range(k) if wrong(n - 2 + i)]
+        accepted = first_wrong[0] if first_wrong else k
+        rounds.append(accepted)
+        n, emitted = n + accepted + 1, emitted + accepted + 1
+    return rounds
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_greedy_random_drafter_matches_target_only(target, make_drafter, text_batch, k, monkeypatch):
+    drafter = make_drafter(target)
+    caches = capture_caches(drafter, monkeypatch)
+    for prompt in prompts_of(text_batch):
+        base = generate(target, None, prompt, MAX_NEW, k=0)
+        longer = generate(target, None, prompt, MAX_NEW + k + 1, k=0).tokens  # what speculation overshoots into
+        assert len(base.tokens) == MAX_NEW and longer[:MAX_NEW] == base.tokens
+        spec = generate(target, drafter, prompt, MAX_NEW, k=k)
+        assert spec.tokens == base.tokens
+        check_stats(spec.stats, k, len(spec.tokens))
+        # After the last round the drafter's cache holds exactly the verified positions (rejected chain
+        # entries rolled back), with the keys a fresh pass over the verified sequence computes.
+        cache = caches[-1]
+        emitted = 1 + spec.stats.num_drafts + spec.stats.num_accepted_tokens
+        seq = prompt + longer[:emitted]
+        assert cache.length == len(seq) - 1
+        fresh = drafter.new_cache(1, len(seq))
+        drafter.step(fresh, torch.tensor([seq[1:]]), drafter.fuse(target(torch.tensor([seq[:-1]])).aux_hidden))
+        torch.testing.assert_close(cache.k[:, :, : cache.length], fresh.k[:, :, : fresh.length], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(cache.v[:, :, : cache.length], fresh.v[:, :, : fresh.length], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_greedy_oracle_drafter_partial_acceptance_matches_target_only(target, text_batch, k):
+    for prompt in prompts_of(text_batch):
+        base = generate(target, None, prompt, MAX_NEW, k=0)
+        seq = prompt + generate(target, None, prompt, MAX_NEW + k + 2, k=0).tokens
+        assert seq[len(prompt):][:MAX_NEW] == base.tokens
+
+        # Never wrong: every draft of every round is accepted. This pins down the indexing.
+        perfect = OracleDrafter(target, seq, wrong=lambda s: False)
+        spec = generate(target, perfect, prompt, MAX_NEW, k=k)
+        assert spec.tokens == base.tokens
+        check_stats(spec.stats, k, len(spec.tokens))
+        assert spec.stats.num_accepted_tokens == spec.stats.num_draft_tokens > 0
+        assert spec.stats.num_drafts == math.ceil((MAX_NEW - 1) / (k + 1))
+
+        # Wrong at chosen positions: rounds end early, both caches are rolled back past the rejected drafts.
+        oracle = OracleDrafter(target, seq, wrong=wrong_positions)
+        spec = generate(target, oracle, prompt, MAX_NEW, k=k)
+        assert spec.tokens == base.tokens
+        stats = spec.stats
+        check_stats(stats, k, len(spec.tokens))
+        rounds = predicted_rounds(len(prompt), k, MAX_NEW, wrong_positions)
+        assert stats.num_drafts == len(rounds)
+        assert stats.num_accepted_tokens == sum(rounds) > 0
+        assert stats.accepted_at == [sum(a > i for a in rounds) for i in range(k)]
+        partial = stats.accepted_at[0] - stats.accepted_at[-1]  # drafts with 1..k-1 tokens accepted
+        assert partial > 0 and stats.num_drafts - stats.accepted_at[0] > 0  # and some with none accepted
+        assert stats.accepted_at[-1] > 0  # and some with all k accepted
+
+        # The drafter's cache ends with the verified sequence only: at index s the token at s+1 and the
+        # target's features of position s (rejected chain entries were overwritten, not left behind).
+        cache = oracle.caches[-1]
+        n = cache.length
+        assert n == len(prompt) + stats.num_drafts + stats.num_accepted_tokens
+        assert cache.tokens[:n].tolist() == seq[1 : n + 1]
+        torch.testing.assert_close(torch.stack(cache.hidden[:n]), fused_features(target, seq[:n]), atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_oracle_drafter_with_eos_inside_accepted_drafts(llama_target, text_batch):
+    """EOS accepted in the middle of a draft chain: the output still stops right after it."""
+    prompt, k = prompts_of(text_batch)[0], 5
+    seq = prompt + generate(llama_target, None, prompt, MAX_NEW + k + 2, k=0).tokens
+    for eos_at in (4, 9, 13):  # cuts that fall at different offsets inside the rounds
+        eos = seq[len(prompt) + eos_at]
+        with_eos = FrozenTarget(llama_target.model, SimpleNamespace(eos_token_id=eos), "eos", LAYER_IDS)
+        base = generate(with_eos, None, prompt, MAX_NEW, k=0)
+        assert base.tokens[-1] == eos and len(base.tokens) <= eos_at + 1
+        for wrong in (lambda s: False, wrong_positions):
+            spec = generate(with_eos, OracleDrafter(with_eos, seq, wrong), prompt, MAX_NEW, k=k)
+            assert spec.tokens == base.tokens
+
+
+# --- 2. sampling is lossless ---------------------------------------------------------------------
+
+
+def buggy_verify_sampling(drafts, draft_probs, target_logits, temperature, generator):
+    """The classic mistake, to show the test has power: resample from p instead of norm(max(0, p - q))."""
+    p = torch.softmax(target_logits / temperature, -1)
+    for i, token in enumerate(drafts):
+        if float(torch.rand((), generator=generator)) < min(1.0, float(p[i, token] / draft_probs[i, token])):
+            continue
+        return i, int(torch.multinomial(p[i], 1, generator=generator))
+    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+
+
+def sample_verifications(verify, target_logits, q, temperature, trials, seed=0):
+    """Emitted tokens of `trials` verifications of 2 drafts x_i ~ q[i]: first token counts over all
+    trials; second token counts over trials whose first draft was accepted."""
+    V = q.shape[-1]
+    gen = torch.Generator().manual_seed(seed)
+    first, second = torch.zeros(V), torch.zeros(V)
+    drafts = torch.stack([torch.multinomial(q[i], trials, replacement=True, generator=gen) for i in range(2)], 1)
+    for d in drafts.tolist():
+        accepted, token = verify(d, q, target_logits, temperature, gen)
+        emitted = d[:accepted] + [token]
+        first[emitted[0]] += 1
+        if accepted >= 1:
+            second[emitted[1]] += 1
+    return first, second
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_verify_sampling_emits_the_target_distribution(temperature):
+    V, trials = 8, 20_000
+    gen = torch.Generator().manual_seed(1234)
+    target_logits = torch.randn(3, V, generator=gen) * 1.5
+    q = torch.softmax(torch.randn(2, V, generator=gen) * 1.5, -1)
+    q[:, :2] = 0  # a reduced draft vocabulary: tokens 0 and 1 come only from the residual
+    q /= q.sum(-1, keepdim=True)
+    p = torch.softmax(target_logits / temperature, -1)
+    acceptance = torch.minimum(p[0], q[0]).sum()
+    assert 0.3 < acceptance < 0.9  # both branches (accept, resample) are exercised often
+
+    first, second = sample_verifications(verify_sampling, target_logits, q, temperature, trials)
+    for counts, probs in ((first, p[0]), (second, p[1])):
+        # df = cells - 1 (7 without pooling); reject at alpha = 0.001.
+        stat, df = chi_square(counts, probs)
+        assert chi2_sf(stat, df) > ALPHA, (stat, df, counts, probs)
+    assert second.sum() > 0.3 * trials
+
+    # The same test rejects a verifier that resamples from p: it has the power to catch that bug.
+    first, _ = sample_verifications(buggy_verify_sampling, target_logits, q, temperature, trials)
+    stat, df = chi_square(first, p[0])
+    assert chi2_sf(stat, df) < ALPHA
+
+
+def tiny_target(vocab: int = 8, seed: int = 1) -> FrozenTarget:
+    """A 3-layer Llama over `vocab` tokens without EOS, so every run emits exactly max_new_tokens."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None, initializer_range=0.3)
+    return FrozenTarget(LlamaForCausalLM(config).eval(), SimpleNamespace(eos_token_id=None), "tiny", LAYER_IDS)
+
+
+def test_generate_samples_the_target_distribution_end_to_end():
+    """(x1, x2), the two tokens after the prefill's token x0, over many seeds, against the target's
+    own joint law sum_x0 p(x0) p(x1 | x0) p(x2 | x0, x1). x1 is always emitted by the first
+    verification (accepted draft 0, or the resample after rejecting it); x2 by the first
+    verification (draft 1 accepted, or the resample/bonus after it) or, after a rejection at
+    draft 0, by the second one, after both caches were rolled back."""
+    V, k, runs = 8, 3, 2000
+    target = tiny_target(V)
+    torch.manual_seed(2)
+    counts = torch.arange(V, 0, -1)  # draft vocabulary: target tokens 0..5; 6 and 7 only via the residual
+    drafter = Eagle3Drafter.from_target(Eagle3Config(draft_vocab_size=6), target, counts)
+    prompt = [1, 5, 2, 7]
+
+    seen = torch.zeros(V, V)
+    accepted = drafts = 0
+    for seed in range(runs):
+        g = generate(target, drafter, prompt, 3, k=k, temperature=1.0, seed=seed)
+        seen[g.tokens[1], g.tokens[2]] += 1
+        accepted, drafts = accepted + g.stats.num_accepted_tokens, drafts + g.stats.num_drafts
+    assert 0.2 < accepted / drafts < 0.8 * k  # drafts are both accepted and rejected, often
+
+    p0 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    x0 = torch.arange(V)[:, None]
+    p1 = torch.softmax(target(torch.cat([torch.tensor([prompt] * V), x0], 1)).logits[:, -1].double(), -1)
+    pairs = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # (x0, x1), x0-major
+    p2 = torch.softmax(target(torch.cat([torch.tensor([prompt] * V * V), pairs], 1)).logits[:, -1].double(), -1)
+    joint = (p0[:, None, None] * p1[:, :, None] * p2.view(V, V, V)).sum(0)  # [x1, x2]
+    # 64 cells, those expected below 5 pooled: df = cells - 1 (about 50); reject at alpha = 0.001.
+    stat, df = chi_square(seen, joint)
+    assert chi2_sf(stat, df) > ALPHA, (stat, df)
+
+
+# --- 3. bad input -------------------------------------------------------------------------------
+
+
+def other_target(hidden: int = 32, vocab: int = 320, layers: int = 4, layer_ids=LAYER_IDS) -> FrozenTarget:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return FrozenTarget(LlamaForCausalLM(config), SimpleNamespace(eos_token_id=0), "other", layer_ids)
+
+
+def test_check_pair_accepts_the_drafter_of_the_target(target, make_drafter):
+    check_pair(target, make_drafter(target))
+
+
+@pytest.mark.parametrize("field, other, mine, theirs", [
+    ("hidden size", dict(hidden=48), 48, 32),
+    ("vocabulary size", dict(vocab=300), 300, 320),
+    ("feature layer ids", dict(layers=8, layer_ids=[0, 3, 5]), "[0, 3, 5]", "4 layers"),
+])
+def test_check_pair_refuses_a_drafter_of_another_target(llama_target, make_drafter, field, other, mine, theirs):
+    drafter = make_drafter(other_target(**other))
+    with pytest.raises(UserError, match=re.escape(field)) as error:
+        check_pair(llama_target, drafter)
+    assert str(mine) in str(error.value) and str(theirs) in str(error.value), str(error.value)
+
+
+def test_check_pair_refuses_a_d2t_of_the_wrong_length(llama_target, make_drafter):
+    drafter = make_drafter(llama_target)
+    drafter.d2t = drafter.d2t[:-1]  # an export that lost a row
+    with pytest.raises(UserError, match="d2t") as error:
+        check_pair(llama_target, drafter)
+    assert str(DRAFT_VOCAB - 1) in str(error.value) and str(DRAFT_VOCAB) in str(error.value), str(error.value)
+
+
+def test_k0_decodes_without_a_drafter(target, text_batch):
+    prompt = prompts_of(text_batch)[0]
+    out = generate(target, None, prompt, 12, k=0)
+    # Independent reference: greedy argmax of a full (cache-free) forward over the growing sequence.
+    seq = list(prompt)
+    for _ in range(12):
+        seq.append(int(target.model(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert out.tokens == seq[len(prompt):]
+    assert out.stats.num_drafts == 0 and out.stats.accepted_at == [] and out.stats.target_forwards == 12
+    # No drafter: k is ignored, plain decoding.
+    assert generate(target, None, prompt, 12, k=5).tokens == out.tokens
+
+
+def test_prompt_longer_than_the_context_is_a_user_error(llama_target, make_drafter):
+    limit = llama_target.config.max_position_embeddings
+    drafter = make_drafter(llama_target)
+    with pytest.raises(UserError, match=str(limit)):
+        generate(llama_target, None, [5] * (limit + 1), 4, k=0)
+    with pytest.raises(UserError, match=str(limit)):
+        generate(llama_target, drafter, [5] * (limit + 1), 4, k=3)
+    # Fits alone, not with the tokens to generate and the drafts.
+    with pytest.raises(UserError, match=str(limit)):
+        generate(llama_target, drafter, [5] * (limit - 10), 8, k=3)
+    # Right at the limit it decodes (the drafter's preallocated cache is large enough).
+    prompt = list(range(1, limit - 8 - 3 - 1 + 1))
+    assert generate(llama_target, drafter, prompt, 8, k=3).tokens == generate(llama_target, None, prompt, 8, k=0).tokens
+
+
+# --- 4. serving computes what training trains ---------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_step_equals_the_training_time_test_unroll(target, make_drafter, text_batch, norm_before_residual):
+    steps_n, T = 4, 32
+    drafter = make_drafter(target, ttt_steps=steps_n, norm_before_residual=norm_before_residual)
+    ids = text_batch[:, :T]
+    B = ids.shape[0]
+    out = target(ids)
+
+    # The logits of every TTT step, as training_loss itself computes them.
+    ttt = []
+    handle = drafter.lm_head.register_forward_hook(lambda _m, _i, o: ttt.append(o.detach()))
+    with torch.no_grad():
+        drafter.training_loss(out, ids, torch.ones_like(ids))
+    handle.remove()
+    assert len(ttt) == steps_n
+
+    # Step 0 = serving over a whole prefix: at position t the token t+1 and the features of t.
+    fused = drafter.fuse(out.aux_hidden)
+    cache = drafter.new_cache(B, T + steps_n)
+    logits0, hidden0 = drafter.step(cache, shift_left(ids, 1), fused)
+    torch.testing.assert_close(logits0, ttt[0], atol=1e-5, rtol=1e-5)
+
+    # The same prefix fed in pieces (prefill, then accepted runs), as the engine does, gives the same.
+    pieces = drafter.new_cache(B, T)
+    got, start = [], 0
+    for size in (7, 1, 3, 1, 1, 5, 2, 12):
+        got.append(drafter.step(pieces, shift_left(ids, 1)[:, start:start + size], fused[:, start:start + size])[0])
+        start += size
+    assert start == T
+    torch.testing.assert_close(torch.cat(got, 1), ttt[0], atol=1e-5, rtol=1e-5)
+
+    # Step j at position t = a chain of j steps after the context 0..t, fed the teacher-forced tokens
+    # t+2..t+1+j and the drafter's own previous hidden output; rotary position t+j.
+    for t in range(T - steps_n):
+        cache.crop(t + 1)
+        hidden = hidden0[:, t : t + 1]
+        for j in range(1, steps_n):
+            logits, hidden = drafter.step(cache, ids[:, t + 1 + j : t + 2 + j], hidden[:, -1:])
+            torch.testing.assert_close(logits[:, 0], ttt[j][:, t], atol=1e-5, rtol=1e-5)
+        # Not vacuous: later steps do differ from step 0 at the same position.
+        assert not torch.allclose(ttt[steps_n - 1][:, t], ttt[0][:, t], atol=1e-3)

@@ -1,0 +1,25 @@
+"""The static fast path computes exactly what transformers computes, through prefill, decode and rollback."""
+
+import torch
+
+from inference.sessions import HFSession, StaticSession, open_session
+
+
+def test_static_session_matches_transformers(target):
+    tokens = torch.randint(0, target.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    static, hf = StaticSession(target, 64), HFSession(target)
+    for step in (tokens[:, :30], tokens[:, 30:36], None, tokens[:, 33:34], tokens[:, 34:40]):
+        if step is None:  # reject the last 3 positions, as after a partly accepted draft
+            static.crop(33)
+            hf.crop(33)
+            continue
+        a, b = static(step), hf(step)
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.last_hidden, b.last_hidden, atol=1e-5, rtol=1e-5)
+        for x, y in zip(a.aux_hidden, b.aux_hidden, strict=True):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    assert static.length == hf.length == 40
+
+
+def test_open_session_picks_the_static_path_for_llama_family(target):
+    assert isinstance(open_session(target, 16), StaticSession)
