@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from inference.sessions import open_session
 from speculators.config import UserError
 from speculators.target import FrozenTarget

@@ -15,7 +15,6 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # `${project_root:}` in conf/ names files shipped in the repository (the default target).
 OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)

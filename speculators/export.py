@@ -9,7 +9,6 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
@@ -94,6 +93,3 @@ def load(path: Path) -> tuple[Eagle3Drafter, dict]:
 def verifier_architectures(target) -> list[str]:
     return list(getattr(target.config, "architectures", None) or [type(target.model).__name__])
 
-
-def count_parameters(drafter: torch.nn.Module) -> int:
-    return sum(p.numel() for p in drafter.parameters() if p.requires_grad)

@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from conftest import LAYER_IDS, VOCAB_SIZE
+from safetensors import safe_open
 
 REPO = Path(__file__).resolve().parent.parent
 DRAFT = 128

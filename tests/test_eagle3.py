@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import DRAFT_VOCAB, LAYER_IDS
+
 from speculators import draft_vocab
 from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter, layer_config, ttt_attention

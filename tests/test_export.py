@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
+from conftest import DRAFT_VOCAB, LAYER_IDS
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import DRAFT_VOCAB, LAYER_IDS
 from speculators import draft_vocab, export
 from speculators.config import UserError
 

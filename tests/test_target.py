@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import LAYER_IDS, make_model
+
 from speculators.config import UserError
 from speculators.target import FrozenTarget, TargetConfig
 

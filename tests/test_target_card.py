@@ -9,12 +9,19 @@ import datasets
 import pytest
 import torch
 
-from speculators.config import PROJECT_ROOT
 from speculators import corpus
+from speculators.config import PROJECT_ROOT
 from train import target_card
 from train.data import DataConfig
 from train.optim import OptimConfig
-from train.pretrain import CausalLMModule, ModelConfig, build_model, save_target, token_byte_lengths, train_tokenizer
+from train.pretrain import (
+    CausalLMModule,
+    ModelConfig,
+    build_model,
+    save_target,
+    token_byte_lengths,
+    train_tokenizer,
+)
 
 SEQ_LEN = 64
 CHOICES = {"corpus": "stdlib: on every machine, offline", "vocab": "4k BPE: small enough for a CPU"}

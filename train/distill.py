@@ -8,9 +8,9 @@ import torch
 from inference import report
 from speculators import draft_vocab, export
 from speculators.config import to_dataclass
+from speculators.corpus import stdlib_files
 from speculators.families import family
 from speculators.target import FrozenTarget
-from speculators.corpus import stdlib_files
 from train.data import TextDataModule
 from train.module import DrafterModule
 from train.run import DrafterRecipe, checkpoint_to_resume, make_logger, make_trainer

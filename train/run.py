@@ -6,7 +6,7 @@ Two recipes share the Trainer, logger and checkpoint set-up below:
 """
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
