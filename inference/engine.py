@@ -90,16 +90,17 @@ def verify_sampling(drafts: list[int], draft_probs: torch.Tensor, target_logits:
 def check_pair(target: FrozenTarget, drafter) -> None:
     """Refuse a drafter built for another target before generating anything."""
     hidden = drafter.fc.in_features // len(drafter.layer_ids)
-    problems = [(name, mine, theirs) for name, mine, theirs in (
-        ("hidden size", hidden, target.hidden_size),
-        ("vocabulary size", len(drafter.t2d), target.vocab_size),
-        ("d2t length (draft vocabulary)", len(drafter.d2t), drafter.lm_head.out_features),
-    ) if mine != theirs]
+    problems = []
+    if hidden != target.hidden_size:
+        problems.append(f"hidden size {hidden} (drafter) vs {target.hidden_size} (target)")
+    if len(drafter.t2d) != target.vocab_size:
+        problems.append(f"vocabulary size {len(drafter.t2d)} (drafter) vs {target.vocab_size} (target)")
+    if len(drafter.d2t) != drafter.lm_head.out_features:
+        problems.append(f"d2t length {len(drafter.d2t)} vs the drafter's {drafter.lm_head.out_features} draft tokens")
     if max(drafter.layer_ids) >= target.num_layers:
-        problems.append(("feature layer ids", drafter.layer_ids, f"a target of {target.num_layers} layers"))
+        problems.append(f"feature layer ids {drafter.layer_ids} (drafter) vs a target of {target.num_layers} layers")
     if problems:
-        raise UserError("drafter does not fit the target: " + "; ".join(
-            f"{name} {mine} (drafter) vs {theirs} (target)" for name, mine, theirs in problems))
+        raise UserError("drafter does not fit the target: " + "; ".join(problems))
 
 
 @torch.no_grad()

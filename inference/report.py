@@ -33,7 +33,7 @@ class InferenceConfig:
     out: str | None = None  # None: the Hydra run directory
 
 
-def heldout_prompts(count: int, lines: int) -> list[str]:
+def heldout_prompts(count: int, lines: int = 6) -> list[str]:
     """The first lines of the first `count` test-split files: code no target or drafter trained on."""
     test = corpus.stdlib_files()["test"]
     return ["".join(text.splitlines(keepends=True)[:lines]) for text in test["text"][:count]]

@@ -59,7 +59,8 @@ class StaticSession:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         self.length = end
         last = model.norm(x)
-        return TargetOutput(aux_hidden=[aux[k] for k in self.target.layer_ids], last_hidden=last,
+        # fp32 features, as FrozenTarget returns them: drafters compute in fp32 whatever the target's dtype.
+        return TargetOutput(aux_hidden=[aux[k].float() for k in self.target.layer_ids], last_hidden=last.float(),
                             logits=self.target.model.lm_head(last).float())
 
     def attention(self, i, attn, h, cos, sin, start, end, visible):

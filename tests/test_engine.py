@@ -21,11 +21,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import DRAFT_VOCAB, LAYER_IDS, make_model
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import DRAFT_VOCAB, LAYER_IDS
+from inference import engine
 from inference.engine import check_pair, generate, verify_sampling
+from inference.sessions import HFSession, open_session
 from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
 from speculators.target import FrozenTarget
@@ -103,6 +105,15 @@ def test_chi2_sf_matches_the_table():
 
 
 # --- 1. greedy speculation is lossless ----------------------------------------------------------
+
+
+@pytest.fixture(params=["static", "hf"])
+def session(request, monkeypatch):
+    """Decode the target through its static session (the default for Llama and Qwen3) or through
+    transformers with a DynamicCache (the path of every other architecture)."""
+    if request.param == "hf":
+        monkeypatch.setattr(engine, "open_session", lambda target, max_len: HFSession(target))
+    return request.param
 
 
 class OracleCache:
@@ -188,7 +199,7 @@ def predicted_rounds(prompt_len: int, k: int, max_new: int, wrong) -> list[int]:
 
 
 @pytest.mark.parametrize("k", [3, 5])
-def test_greedy_random_drafter_matches_target_only(target, make_drafter, text_batch, k, monkeypatch):
+def test_greedy_random_drafter_matches_target_only(target, make_drafter, text_batch, k, session, monkeypatch):
     drafter = make_drafter(target)
     caches = capture_caches(drafter, monkeypatch)
     for prompt in prompts_of(text_batch):
@@ -211,7 +222,7 @@ def test_greedy_random_drafter_matches_target_only(target, make_drafter, text_ba
 
 
 @pytest.mark.parametrize("k", [3, 5])
-def test_greedy_oracle_drafter_partial_acceptance_matches_target_only(target, text_batch, k):
+def test_greedy_oracle_drafter_partial_acceptance_matches_target_only(target, text_batch, k, session):
     for prompt in prompts_of(text_batch):
         base = generate(target, None, prompt, MAX_NEW, k=0)
         seq = prompt + generate(target, None, prompt, MAX_NEW + k + 2, k=0).tokens
@@ -260,6 +271,22 @@ def test_greedy_oracle_drafter_with_eos_inside_accepted_drafts(llama_target, tex
         for wrong in (lambda s: False, wrong_positions):
             spec = generate(with_eos, OracleDrafter(with_eos, seq, wrong), prompt, MAX_NEW, k=k)
             assert spec.tokens == base.tokens
+
+
+def test_low_precision_target_decodes_with_a_float32_drafter(tokenizer, make_drafter, text_batch):
+    """TargetConfig allows bfloat16 targets; drafters are float32 (from_target copies with .float()).
+    TargetOutput features are float32 whatever the target's dtype (FrozenTarget.__call__ casts them),
+    so the drafter can fuse them: the session generate() decodes through must keep that contract."""
+    target = FrozenTarget(make_model("llama", tokenizer).to(torch.bfloat16), tokenizer, "bf16", LAYER_IDS)
+    drafter = make_drafter(target)
+    prompt = prompts_of(text_batch)[0]
+    spec = generate(target, drafter, prompt, 16, k=3)
+    assert len(spec.tokens) == 16
+    check_stats(spec.stats, 3, len(spec.tokens))
+    out = open_session(target, 32)(torch.tensor([prompt]))
+    reference = target(torch.tensor([prompt]))
+    assert [h.dtype for h in out.aux_hidden] == [h.dtype for h in reference.aux_hidden] == [torch.float32] * 3
+    assert out.last_hidden.dtype == reference.last_hidden.dtype == torch.float32
 
 
 # --- 2. sampling is lossless ---------------------------------------------------------------------
@@ -352,7 +379,7 @@ def test_generate_samples_the_target_distribution_end_to_end():
     pairs = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # (x0, x1), x0-major
     p2 = torch.softmax(target(torch.cat([torch.tensor([prompt] * V * V), pairs], 1)).logits[:, -1].double(), -1)
     joint = (p0[:, None, None] * p1[:, :, None] * p2.view(V, V, V)).sum(0)  # [x1, x2]
-    # 64 cells, those expected below 5 pooled: df = cells - 1 (about 50); reject at alpha = 0.001.
+    # 64 cells, those expected below 5 pooled into one: df = cells - 1 (39 here); reject at alpha = 0.001.
     stat, df = chi_square(seen, joint)
     assert chi2_sf(stat, df) > ALPHA, (stat, df)
 
@@ -391,7 +418,7 @@ def test_check_pair_refuses_a_d2t_of_the_wrong_length(llama_target, make_drafter
     assert str(DRAFT_VOCAB - 1) in str(error.value) and str(DRAFT_VOCAB) in str(error.value), str(error.value)
 
 
-def test_k0_decodes_without_a_drafter(target, text_batch):
+def test_k0_decodes_without_a_drafter(target, make_drafter, text_batch, session):
     prompt = prompts_of(text_batch)[0]
     out = generate(target, None, prompt, 12, k=0)
     # Independent reference: greedy argmax of a full (cache-free) forward over the growing sequence.
@@ -400,8 +427,10 @@ def test_k0_decodes_without_a_drafter(target, text_batch):
         seq.append(int(target.model(torch.tensor([seq])).logits[0, -1].argmax()))
     assert out.tokens == seq[len(prompt):]
     assert out.stats.num_drafts == 0 and out.stats.accepted_at == [] and out.stats.target_forwards == 12
-    # No drafter: k is ignored, plain decoding.
+    # No drafter: k is ignored, plain decoding. A drafter with k=0 is not used.
     assert generate(target, None, prompt, 12, k=5).tokens == out.tokens
+    with_drafter = generate(target, make_drafter(target), prompt, 12, k=0)
+    assert with_drafter.tokens == out.tokens and with_drafter.stats.num_drafts == 0
 
 
 def test_prompt_longer_than_the_context_is_a_user_error(llama_target, make_drafter):
@@ -455,9 +484,11 @@ def test_step_equals_the_training_time_test_unroll(target, make_drafter, text_ba
 
     # Step j at position t = a chain of j steps after the context 0..t, fed the teacher-forced tokens
     # t+2..t+1+j and the drafter's own previous hidden output; rotary position t+j.
+    # (A fresh cache per t: a chain overwrites the cache entries after t, which the next t needs.)
     for t in range(T - steps_n):
-        cache.crop(t + 1)
-        hidden = hidden0[:, t : t + 1]
+        cache = drafter.new_cache(B, t + steps_n)
+        _, hidden = drafter.step(cache, shift_left(ids, 1)[:, : t + 1], fused[:, : t + 1])
+        torch.testing.assert_close(hidden[:, -1], hidden0[:, t], atol=1e-5, rtol=1e-5)
         for j in range(1, steps_n):
             logits, hidden = drafter.step(cache, ids[:, t + 1 + j : t + 2 + j], hidden[:, -1:])
             torch.testing.assert_close(logits[:, 0], ttt[j][:, t], atol=1e-5, rtol=1e-5)

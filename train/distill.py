@@ -11,6 +11,7 @@ from speculators.config import to_dataclass
 from speculators.corpus import stdlib_files
 from speculators.families import family
 from speculators.target import FrozenTarget
+from train.callbacks import ServeEvalCallback
 from train.data import TextDataModule
 from train.module import DrafterModule
 from train.run import DrafterRecipe, checkpoint_to_resume, make_logger, make_trainer
@@ -29,7 +30,11 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     module = DrafterModule(drafter, target, recipe.optim, recipe.trainer.max_steps)
 
     config = asdict(recipe) | {"drafter": asdict(drafter_cfg)}
-    trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, config), run_dir)
+    callbacks = []
+    if recipe.serve_eval.every_n_steps:
+        prompts = [target.tokenizer(text)["input_ids"] for text in report.heldout_prompts(recipe.serve_eval.num_prompts)]
+        callbacks.append(ServeEvalCallback(recipe.serve_eval, target, prompts, drafter_cfg.ttt_steps))
+    trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, config), run_dir, callbacks)
     trainer.fit(module, datamodule, ckpt_path=checkpoint_to_resume(recipe.resume))
 
     export_dir = export.save(drafter, run_dir / "export", recipe.target.name_or_path,

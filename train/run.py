@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from speculators.config import UserError, one_of, to_dataclass
 from speculators.target import QuantConfig, TargetConfig
+from train.callbacks import ServeEvalConfig
 from train.data import DataConfig
 from train.optim import OptimConfig
 from train.pretrain import ModelConfig
@@ -72,6 +73,7 @@ class DrafterRecipe:
     trainer: TrainerConfig
     logger: LoggerConfig
     optim: OptimConfig
+    serve_eval: ServeEvalConfig
     drafter: Any  # the family's own config dataclass, chosen by drafter.family
 
 

@@ -1,0 +1,37 @@
+"""Acceptance measured the way serving measures it, during training.
+
+Every N optimizer steps the drafter is served by the bundled engine (inference.engine) on a
+few held-out prompts; tau and the per-position acceptance curve are logged under serve/.
+Teacher-forced accuracy (val/acc_step*) tends to flatter a drafter; these figures do not.
+"""
+
+from dataclasses import dataclass
+
+import lightning as L
+
+from inference.engine import Stats, generate
+
+
+@dataclass
+class ServeEvalConfig:
+    every_n_steps: int = 100  # 0 disables it
+    num_prompts: int = 2
+    max_new_tokens: int = 32
+
+
+class ServeEvalCallback(L.Callback):
+    def __init__(self, cfg: ServeEvalConfig, target, prompts: list[list[int]], k: int):
+        self.cfg, self.target, self.prompts, self.k = cfg, target, prompts, k
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *_) -> None:
+        if trainer.global_step % self.cfg.every_n_steps:
+            return
+        drafter = module.drafter.eval()
+        stats = Stats(self.k)
+        for ids in self.prompts:
+            stats.add(generate(self.target, drafter, ids, self.cfg.max_new_tokens, self.k).stats)
+        drafter.train()
+        drafts = max(stats.num_drafts, 1)
+        module.log("serve/acceptance_length", 1 + stats.num_accepted_tokens / drafts, prog_bar=True)
+        for i, accepted in enumerate(stats.accepted_at, 1):
+            module.log(f"serve/acceptance_pos{i}", accepted / drafts)
