@@ -1,0 +1,43 @@
+"""Triton kernels for the hot paths of training and verification, each beside a plain-torch
+reference of the same math.
+
+One dispatch rule, `use_triton`: Triton on CUDA tensors; Triton's interpreter on CPU tensors
+when the process runs with TRITON_INTERPRET=1 (the tests); plain torch everywhere else.
+Triton decides when it decorates a function whether it is interpreted, and it decorates its own
+tl.sum, tl.max, ... when it is imported, so TRITON_INTERPRET=1 must be in the environment
+before anything imports triton. `use_triton` reads the value our kernels were decorated with.
+"""
+
+import torch
+import triton
+
+INTERPRET = triton.knobs.runtime.interpret  # as the kernels below are decorated
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """The dispatch rule: run the Triton kernel for tensor `x`, or the torch path?"""
+    return x.is_cuda or INTERPRET
+
+
+# Imported after the rule, which both modules use.
+from kernels.distill import (
+    distill_loss,
+    distill_loss_chunked,
+    distill_loss_reference,
+    distill_loss_triton,
+)
+from kernels.verify import (
+    verify_greedy,
+    verify_greedy_reference,
+    verify_greedy_triton,
+    verify_sampling,
+    verify_sampling_reference,
+    verify_sampling_triton,
+)
+
+__all__ = [
+    "INTERPRET", "use_triton",
+    "distill_loss", "distill_loss_chunked", "distill_loss_reference", "distill_loss_triton",
+    "verify_greedy", "verify_greedy_reference", "verify_greedy_triton",
+    "verify_sampling", "verify_sampling_reference", "verify_sampling_triton",
+]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 
+from kernels import distill_loss
 from speculators import draft_vocab
 from speculators.config import UserError
 from speculators.layers import KVCache, RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
@@ -148,15 +149,15 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     def training_loss(self, target_out: TargetOutput, input_ids: torch.Tensor, loss_mask: torch.Tensor):
-        """Weighted sum over TTT steps of the soft cross-entropy to the target's draft-vocab distribution.
+        """Weighted sum over TTT steps of the soft cross-entropy to the target's distribution
+        restricted to the draft vocab and renormalised (kernels.distill_loss, chunked: no full
+        fp32 probability tensors).
 
         Returns (loss, metrics) with loss and accuracy (draft argmax == target argmax) per step.
         """
         layer, T = self.layers[0], input_ids.shape[1]
         target_logits = target_out.logits
         target_argmax = target_logits.argmax(-1)
-        # The target's distribution restricted to the draft vocab and renormalised.
-        target_probs = torch.softmax(target_logits[..., self.draft_to_target], dim=-1)
         in_draft_vocab = self.t2d[target_argmax]
         hidden = self.fuse(target_out.aux_hidden)
         keys, values, loss, metrics = [], [], 0.0, {}
@@ -173,14 +174,13 @@ class Eagle3Drafter(nn.Module):
             values.append(v)
             hidden = layer.finish(residual, ttt_attention(q, keys, values))
             logits = self.logits(hidden)
-            soft_ce = -(shift_left(target_probs, 1 + j) * F.log_softmax(logits, dim=-1)).sum(-1)
+            soft_ce = distill_loss(logits, target_logits, self.draft_to_target, trained, kind="soft_ce", shift=1 + j)
             step_loss = (soft_ce * trained).sum() / trained.sum().clamp(min=1)
             loss = loss + self.cfg.step_decay**j * step_loss
             hits = (self.draft_to_target[logits.argmax(-1)] == shift_left(target_argmax, 1 + j)) & counted
             metrics[f"loss_step{j}"] = step_loss.detach()
             metrics[f"acc_step{j}"] = hits.sum() / counted.sum().clamp(min=1)
         return loss, metrics
-
 
     def new_cache(self, batch: int, max_len: int, device=None) -> KVCache:
         c = self.layer_cfg
