@@ -90,9 +90,13 @@ def measure(target, drafter, prompts: list[str], cfg: InferenceConfig) -> dict:
         "prompts": rows,
         "config": asdict(cfg),
         "git_revision": git_revision(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": torch.get_num_threads(),
-                    "torch": torch.__version__},
+        "machine": machine(),
     }
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
 
 
 def peak_memory_mb() -> float:

@@ -1,0 +1,129 @@
+"""Decode-speed benchmark: our speculative decoding against target-only decoding and peers.
+
+    python -m inference.bench drafter=<export dir> [assistant=<small HF model dir>] [repeats=3] [out=DIR]
+
+Methods, all greedy, on the same held-out prompts, interleaved prompt by prompt within each
+repeat so every method sees the same machine load; figures are medians over repeats:
+- target_only: our decode loop with K=0 (the speed-up baseline);
+- speculative: our EAGLE-3 decoding with K draft tokens;
+- hf_greedy: transformers' generate (for reference: how fast the stock loop is);
+- hf_prompt_lookup: transformers' prompt-lookup decoding (n-gram drafts from the prompt);
+- hf_assisted: transformers' assisted generation with a small draft model, when one is given.
+"""
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from speculators.config import exit_on_user_error, run_cli, to_dataclass
+
+
+@dataclass
+class BenchConfig:
+    drafter: str = "???"
+    target: str | None = None
+    assistant: str | None = None  # a small causal LM with the target's tokenizer, for assisted generation
+    num_prompts: int = 8
+    prompt_lines: int = 6
+    max_new_tokens: int = 64
+    num_speculative_tokens: int = 5
+    prompt_lookup_tokens: int = 10
+    repeats: int = 3
+    out: str | None = None
+
+
+def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
+    """name -> function(prompt ids) -> generated ids."""
+    from inference.engine import generate
+
+    hf = dict(do_sample=False, max_new_tokens=cfg.max_new_tokens,
+              pad_token_id=target.tokenizer.pad_token_id)
+
+    def hf_generate(ids, **extra):
+        out = target.model.generate(torch.tensor([ids]), **hf, **extra)
+        return out[0, len(ids):].tolist()
+
+    runs = {
+        "target_only": lambda ids: generate(target, None, ids, cfg.max_new_tokens, 0).tokens,
+        "speculative": lambda ids: generate(target, drafter, ids, cfg.max_new_tokens, cfg.num_speculative_tokens).tokens,
+        "hf_greedy": hf_generate,
+        "hf_prompt_lookup": lambda ids: hf_generate(ids, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens),
+    }
+    if assistant is not None:
+        runs["hf_assisted"] = lambda ids: hf_generate(ids, assistant_model=assistant)
+    return runs
+
+
+def run(target, drafter, assistant, prompts: list[list[int]], cfg: BenchConfig) -> dict:
+    runs = methods(target, drafter, assistant, cfg)
+    seconds = {name: [] for name in runs}
+    tokens = {name: [] for name in runs}
+    outputs = {}
+    for _ in range(cfg.repeats):
+        totals = {name: [0.0, 0] for name in runs}
+        for ids in prompts:
+            for name, fn in runs.items():  # interleaved: every method on this prompt, then the next prompt
+                started = time.perf_counter()
+                out = fn(ids)
+                totals[name][0] += time.perf_counter() - started
+                totals[name][1] += len(out)
+                outputs.setdefault(name, []).append(out)
+        for name, (secs, count) in totals.items():
+            seconds[name].append(secs)
+            tokens[name].append(count)
+    rows = {}
+    for name in runs:
+        speed = statistics.median(t / s for t, s in zip(tokens[name], seconds[name]))
+        rows[name] = {"tokens_per_second": speed, "seconds": seconds[name], "tokens": tokens[name]}
+    base = rows["target_only"]["tokens_per_second"]
+    for row in rows.values():
+        row["speedup"] = row["tokens_per_second"] / base
+    reference = outputs["target_only"]
+    for name in runs:
+        # Every method here is greedy: each must reproduce target-only greedy output.
+        rows[name]["outputs_match_target_only"] = outputs[name] == reference
+    return rows
+
+
+def table(rows: dict) -> str:
+    lines = [f"{'method':<18} {'tokens/s':>9} {'speed-up':>9} {'same output':>12}"]
+    for name, row in rows.items():
+        lines.append(f"{name:<18} {row['tokens_per_second']:>9.1f} {row['speedup']:>8.2f}x "
+                     f"{str(row['outputs_match_target_only']):>12}")
+    return "\n".join(lines)
+
+
+@hydra.main(config_path="../conf/inference", config_name="bench", version_base="1.3")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from inference import report
+    from speculators import export
+    from speculators.target import FrozenTarget, TargetConfig
+
+    cfg = to_dataclass(BenchConfig, cfg)
+    drafter, drafter_config = export.load(Path(cfg.drafter))
+    verifier = cfg.target or drafter_config["speculators_config"]["verifier"]["name_or_path"]
+    target = FrozenTarget.load(TargetConfig(name_or_path=verifier, layer_ids=drafter.layer_ids))
+    assistant = AutoModelForCausalLM.from_pretrained(cfg.assistant).eval() if cfg.assistant else None
+    prompts = [target.tokenizer(t)["input_ids"] for t in report.heldout_prompts(cfg.num_prompts, cfg.prompt_lines)]
+    rows = run(target, drafter.eval(), assistant, prompts, cfg)
+    result = {"methods": rows, "config": asdict(cfg), "git_revision": report.git_revision(),
+              "machine": report.machine()}
+    out = Path(cfg.out or HydraConfig.get().runtime.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    print(table(rows))
+    print(f"benchmark: {out / 'bench.json'}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
