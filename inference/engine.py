@@ -35,7 +35,9 @@ class Stats:
     accepted_at: list[int] = field(default_factory=list)  # drafts whose token i was accepted, i = 1..k
     target_forwards: int = 0
     ttft_s: float = 0.0
-    decode_s: float = 0.0
+    decode_s: float = 0.0  # after the first token; of which:
+    draft_s: float = 0.0  # drafter calls (chains, and reading the accepted positions)
+    verify_s: float = 0.0  # target passes over the drafts
 
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.k
@@ -48,7 +50,8 @@ class Stats:
             self.accepted_at[i] += 1
 
     def add(self, other: "Stats") -> None:
-        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_forwards", "ttft_s", "decode_s"):
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_forwards", "ttft_s", "decode_s",
+                     "draft_s", "verify_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
 
@@ -133,6 +136,7 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
             stats.target_forwards += 1
             continue
         # Draft: a chain of k tokens, each step appended to the drafter's cache, then undone.
+        drafting = time.perf_counter()
         verified, drafts, draft_probs = draft_cache.length, [], []
         for i in range(k):
             if i:
@@ -142,7 +146,9 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
             draft_probs.append(q)
         draft_cache.crop(verified)
         # Verify: one target pass over the last emitted token and the k drafts.
+        verifying = time.perf_counter()
         out = session(torch.tensor([[token, *drafts]]))
+        stats.verify_s += time.perf_counter() - verifying
         stats.target_forwards += 1
         logits = out.logits[0]
         if temperature == 0:
@@ -154,8 +160,10 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
         new = drafts[:accepted] + [token]
         tokens += new
         # The drafter reads the target's features of the accepted positions and proposes the next chain.
+        reading = time.perf_counter()
         draft_logits, hidden = drafter.step(draft_cache, torch.tensor([new]),
                                             drafter.fuse([h[:, : accepted + 1] for h in out.aux_hidden]))
+        stats.draft_s += (verifying - drafting) + (time.perf_counter() - reading)
     stats.decode_s = time.perf_counter() - started - stats.ttft_s
     return Generation(truncate(tokens, max_new_tokens, eos), stats)
 

@@ -85,6 +85,9 @@ def measure(target, drafter, prompts: list[str], cfg: InferenceConfig) -> dict:
         "ttft_s": spec_total.ttft_s / len(prompts),
         "tpot_s": spec_total.decode_s / max(new_tokens - len(prompts), 1),
         "baseline_tpot_s": base_total.decode_s / max(base_tokens - len(prompts), 1),
+        "time_split_s": {"draft": spec_total.draft_s, "verify": spec_total.verify_s,
+                         "other": spec_total.decode_s - spec_total.draft_s - spec_total.verify_s,
+                         "first_token": spec_total.ttft_s},
         "peak_memory_mb": peak_memory_mb(),
         "outputs_match_baseline": all(r["matches_baseline"] for r in rows) if cfg.temperature == 0 else None,
         "prompts": rows,
@@ -142,6 +145,7 @@ def table(report: dict) -> str:
         f"acceptance length tau: {report['acceptance_length']:.3f} over {report['num_drafts']} drafts",
         f"tokens/s: {report['tokens_per_second']:.1f} speculative vs {report['baseline_tokens_per_second']:.1f} "
         f"target-only (speed-up {report['speedup']:.2f}x)",
+        "decode time: " + ", ".join(f"{name} {secs:.2f}s" for name, secs in report["time_split_s"].items()),
         f"outputs match target-only greedy: {report['outputs_match_baseline']}",
     ]
     return "\n".join(lines)
