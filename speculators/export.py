@@ -59,6 +59,7 @@ def save(drafter: Eagle3Drafter, out_dir: Path, verifier_name_or_path: str, veri
     partial.mkdir(parents=True)
     weights = {name: t.detach().cpu().contiguous() for name, t in drafter.state_dict().items()}
     save_file(weights, partial / "model.safetensors")
+    (partial / "model.safetensors").chmod(0o644)  # safetensors writes 0600; serving often runs as another user
     config = speculators_config(drafter, verifier_name_or_path, verifier_architectures)
     (partial / "config.json").write_text(json.dumps(config, indent=2))
     if out_dir.exists():
