@@ -22,7 +22,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from speculators.config import exit_on_user_error, run_cli, to_dataclass
+from speculators.config import at_least, exit_on_user_error, run_cli, to_dataclass
 
 
 @dataclass
@@ -37,6 +37,11 @@ class BenchConfig:
     prompt_lookup_tokens: int = 10
     repeats: int = 3
     out: str | None = None
+
+    def __post_init__(self):
+        at_least(1, num_prompts=self.num_prompts, prompt_lines=self.prompt_lines, max_new_tokens=self.max_new_tokens,
+                 num_speculative_tokens=self.num_speculative_tokens, prompt_lookup_tokens=self.prompt_lookup_tokens,
+                 repeats=self.repeats)
 
 
 def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:

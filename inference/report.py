@@ -16,7 +16,7 @@ import torch
 
 from inference.engine import Stats, check_pair, generate
 from speculators import corpus
-from speculators.config import UserError
+from speculators.config import UserError, at_least
 
 
 @dataclass
@@ -31,6 +31,10 @@ class InferenceConfig:
     num_speculative_tokens: int = 5
     seed: int = 0
     out: str | None = None  # None: the Hydra run directory
+
+    def __post_init__(self):
+        at_least(0, num_speculative_tokens=self.num_speculative_tokens, temperature=self.temperature)
+        at_least(1, num_prompts=self.num_prompts, prompt_lines=self.prompt_lines, max_new_tokens=self.max_new_tokens)
 
 
 def heldout_prompts(count: int, lines: int = 6) -> list[str]:

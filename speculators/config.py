@@ -54,6 +54,18 @@ def one_of(key: str, value, allowed) -> None:
         raise UserError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, allowed))}")
 
 
+def require(ok: bool, key: str, value, rule: str) -> None:
+    """One-line error for a config value that breaks `rule`, e.g. require(n > 0, "trainer.max_steps", n, ">= 1")."""
+    if not ok:
+        raise UserError(f"{key}={value!r} is not valid: must be {rule}")
+
+
+def at_least(minimum, **values) -> None:
+    """require(value >= minimum) for each keyword (dotted keys spelled with __)."""
+    for key, value in values.items():
+        require(value is not None and value >= minimum, key.replace("__", "."), value, f">= {minimum}")
+
+
 def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 

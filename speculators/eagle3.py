@@ -21,7 +21,7 @@ from transformers import LlamaConfig
 
 from kernels import distill_loss
 from speculators import draft_vocab
-from speculators.config import UserError
+from speculators.config import UserError, at_least, require
 from speculators.layers import KVCache, RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
 from speculators.target import FrozenTarget, TargetOutput
 
@@ -33,6 +33,10 @@ class Eagle3Config:
     step_decay: float = 0.8  # loss weight of step j is step_decay**j (EAGLE-3: 0.8)
     draft_vocab_size: int = 32000
     norm_before_residual: bool = False  # True: the residual carries hidden_norm(h) instead of h
+
+    def __post_init__(self):
+        at_least(1, drafter__ttt_steps=self.ttt_steps, drafter__draft_vocab_size=self.draft_vocab_size)
+        require(self.step_decay > 0, "drafter.step_decay", self.step_decay, "> 0")
 
 
 def layer_config(target: FrozenTarget) -> LlamaConfig:

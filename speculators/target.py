@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from speculators.config import UserError, one_of
 
+QUANT_SCHEMES = ("none",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -22,13 +23,16 @@ class TargetConfig:
     dtype: str = "float32"  # float32 on CPUs, where bf16 arithmetic is ~30x slower
     trust_remote_code: bool = False
 
+    def __post_init__(self):
+        one_of("target.dtype", self.dtype, DTYPES)
+
 
 @dataclass
 class QuantConfig:
     scheme: str = "none"  # weight-only quantization of the target's linear layers
 
-
-QUANT_SCHEMES = ("none",)
+    def __post_init__(self):
+        one_of("quant.scheme", self.scheme, QUANT_SCHEMES)
 
 
 @dataclass
@@ -69,8 +73,6 @@ class FrozenTarget:
 
     @classmethod
     def load(cls, cfg: TargetConfig, quant: QuantConfig = QuantConfig()) -> "FrozenTarget":
-        one_of("target.dtype", cfg.dtype, DTYPES)
-        one_of("quant.scheme", quant.scheme, QUANT_SCHEMES)
         try:
             tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=DTYPES[cfg.dtype],

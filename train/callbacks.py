@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import lightning as L
 
 from inference.engine import Stats, generate
+from speculators.config import at_least
 
 
 @dataclass
@@ -17,6 +18,10 @@ class ServeEvalConfig:
     every_n_steps: int = 100  # 0 disables it
     num_prompts: int = 2
     max_new_tokens: int = 32
+
+    def __post_init__(self):
+        at_least(0, serve_eval__every_n_steps=self.every_n_steps)
+        at_least(1, serve_eval__num_prompts=self.num_prompts, serve_eval__max_new_tokens=self.max_new_tokens)
 
 
 class ServeEvalCallback(L.Callback):

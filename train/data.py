@@ -7,7 +7,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from speculators.config import UserError
+from speculators.config import UserError, at_least, one_of
 
 
 @dataclass
@@ -18,6 +18,11 @@ class DataConfig:
     seq_len: int = 256
     batch_size: int = 8
     max_val_sequences: int = 32
+
+    def __post_init__(self):
+        one_of("data.source", self.source, ("stdlib",))
+        at_least(8, data__seq_len=self.seq_len)
+        at_least(1, data__batch_size=self.batch_size, data__max_val_sequences=self.max_val_sequences)
 
 
 def pack(files: datasets.Dataset, tokenizer, seq_len: int) -> torch.Tensor:

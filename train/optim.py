@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from speculators.config import at_least, require
+
 
 @dataclass
 class OptimConfig:
@@ -14,6 +16,13 @@ class OptimConfig:
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.95
+
+    def __post_init__(self):
+        require(self.lr > 0, "optim.lr", self.lr, "> 0")
+        require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+        at_least(0, optim__warmup_steps=self.warmup_steps, optim__weight_decay=self.weight_decay)
+        for key, beta in (("optim.beta1", self.beta1), ("optim.beta2", self.beta2)):
+            require(0 <= beta < 1, key, beta, "in [0, 1)")
 
 
 def configure(params, cfg: OptimConfig, max_steps: int) -> dict:

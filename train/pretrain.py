@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from speculators import corpus
+from speculators.config import at_least, require
 from train.data import TextDataModule
 from train.optim import OptimConfig, configure
 
@@ -38,6 +39,16 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        at_least(1, model__hidden_size=self.hidden_size, model__intermediate_size=self.intermediate_size,
+                 model__num_hidden_layers=self.num_hidden_layers, model__num_attention_heads=self.num_attention_heads,
+                 model__num_key_value_heads=self.num_key_value_heads)
+        at_least(258, model__vocab_size=self.vocab_size)  # 256 bytes + EOS + at least one merge
+        require(self.hidden_size % self.num_attention_heads == 0, "model.num_attention_heads",
+                self.num_attention_heads, f"a divisor of model.hidden_size ({self.hidden_size})")
+        require(self.num_attention_heads % self.num_key_value_heads == 0, "model.num_key_value_heads",
+                self.num_key_value_heads, f"a divisor of model.num_attention_heads ({self.num_attention_heads})")
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:

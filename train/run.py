@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig
 
-from speculators.config import UserError, one_of, to_dataclass
+from speculators.config import UserError, at_least, one_of, to_dataclass
 from speculators.target import QuantConfig, TargetConfig
 from train.callbacks import ServeEvalConfig
 from train.data import DataConfig
@@ -39,6 +39,15 @@ class TrainerConfig:
     checkpoint_every_n_steps: int = 100
     progress_bar: bool = True
 
+    def __post_init__(self):
+        at_least(1, trainer__max_steps=self.max_steps, trainer__devices=self.devices,
+                 trainer__accumulate_grad_batches=self.accumulate_grad_batches,
+                 trainer__log_every_n_steps=self.log_every_n_steps, trainer__val_every_n_steps=self.val_every_n_steps,
+                 trainer__checkpoint_every_n_steps=self.checkpoint_every_n_steps)
+        at_least(0, trainer__gradient_clip_val=self.gradient_clip_val)
+        if self.num_threads is not None:
+            at_least(1, trainer__num_threads=self.num_threads)
+
 
 @dataclass
 class LoggerConfig:
@@ -48,6 +57,10 @@ class LoggerConfig:
     project: str = "speculators"
     mode: str | None = None  # online/offline; None: WANDB_MODE, else online if logged in, else offline
     name: str | None = None
+
+    def __post_init__(self):
+        one_of("logger.kind", self.kind, ("wandb", "none"))
+        one_of("logger.mode", self.mode, (None, "online", "offline", "disabled"))
 
 
 @dataclass
@@ -109,7 +122,6 @@ def _netrc() -> str:
 
 
 def make_logger(cfg: LoggerConfig, run_dir: Path, config: dict):
-    one_of("logger.kind", cfg.kind, ("wandb", "none"))
     if cfg.kind == "none":
         return False
     from lightning.pytorch.loggers import WandbLogger

@@ -1,0 +1,75 @@
+"""conf/ mirrors the config dataclasses, and every bad value fails with one line naming its key."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from inference.bench import BenchConfig
+from inference.report import InferenceConfig
+from speculators.config import UserError, to_dataclass
+from speculators.families import family
+from train.run import RECIPES
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def composed(overrides: list[str], folder: Path = CONF, name: str = "config"):
+    with initialize_config_dir(str(folder), version_base="1.3"):
+        return compose(name, overrides=overrides)
+
+
+def typed(cfg):
+    """The recipe and, for drafter recipes, the family's config, as train.run builds them."""
+    recipe = to_dataclass(RECIPES[cfg.recipe], cfg)
+    if cfg.recipe == "drafter":
+        return recipe, to_dataclass(family(cfg.drafter.family).config_class, cfg.drafter, "drafter")
+    return recipe, None
+
+
+@pytest.mark.parametrize("recipe", ["eagle3", "target_pretrain"])
+def test_every_recipe_maps_onto_its_dataclasses(recipe):
+    typed(composed([f"conf={recipe}"]))  # an unknown key anywhere in conf/ would raise here
+
+
+@pytest.mark.parametrize("name, cls", [("config", InferenceConfig), ("bench", BenchConfig)])
+def test_inference_configs_map_onto_their_dataclasses(name, cls):
+    to_dataclass(cls, composed(["drafter=some/export"], CONF / "inference", name))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.max_steps=0", "trainer.max_steps"),
+    ("trainer.max_steps=ten", "trainer.max_steps"),
+    ("trainer.num_threads=0", "trainer.num_threads"),
+    ("optim.lr=-1", "optim.lr"),
+    ("optim.beta2=1.5", "optim.beta2"),
+    ("data.seq_len=4", "data.seq_len"),
+    ("data.batch_size=0", "data.batch_size"),
+    ("data.source=web", "data.source"),
+    ("logger.kind=tensorboard", "logger.kind"),
+    ("logger.mode=sometimes", "logger.mode"),
+    ("target.dtype=int3", "target.dtype"),
+    ("drafter.ttt_steps=0", "drafter.ttt_steps"),
+    ("drafter.step_decay=0", "drafter.step_decay"),
+    ("drafter.family=medusa", "drafter.family"),
+    ("serve_eval.max_new_tokens=0", "serve_eval.max_new_tokens"),
+    ("+trainer.epochs=3", "trainer.epochs"),
+    ("+drafter.layers=2", "drafter.layers"),
+])
+def test_bad_values_fail_with_one_line_naming_the_key(override, key):
+    with pytest.raises(UserError) as error:
+        typed(composed(["conf=eagle3", override]))
+    message = str(error.value)
+    assert key in message and "\n" not in message
+
+
+def test_bad_model_shape_for_pretraining_names_the_rule():
+    with pytest.raises(UserError, match="model.num_attention_heads=3 .*divisor of model.hidden_size"):
+        typed(composed(["conf=target_pretrain", "model.num_attention_heads=3"]))
+
+
+@pytest.mark.parametrize("override, key", [("temperature=-1", "temperature"), ("max_new_tokens=0", "max_new_tokens"),
+                                           ("num_speculative_tokens=-2", "num_speculative_tokens")])
+def test_bad_inference_values_fail_with_one_line(override, key):
+    with pytest.raises(UserError, match=key):
+        to_dataclass(InferenceConfig, composed(["drafter=x", override], CONF / "inference"))
