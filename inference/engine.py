@@ -125,6 +125,7 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
     stats.target_forwards, stats.ttft_s = 1, time.perf_counter() - started
     tokens = [token]
     if k:
+        to_target = drafter.draft_to_target  # draft id -> target id, once per generation
         draft_cache = drafter.new_cache(1, max_len)
         draft_logits, hidden = drafter.step(draft_cache, torch.tensor([prompt[1:] + [token]]),
                                             drafter.fuse(out.aux_hidden))
@@ -141,9 +142,12 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
         for i in range(k):
             if i:
                 draft_logits, hidden = drafter.step(draft_cache, torch.tensor([[drafts[-1]]]), hidden[:, -1:])
-            q = draft_distribution(drafter, draft_logits[0, -1], temperature)
-            drafts.append(pick_from(q, temperature, generator))
-            draft_probs.append(q)
+            if temperature == 0:
+                drafts.append(int(to_target[draft_logits[0, -1].argmax()]))
+            else:
+                q = draft_distribution(to_target, target.vocab_size, draft_logits[0, -1], temperature)
+                drafts.append(int(torch.multinomial(q, 1, generator=generator)))
+                draft_probs.append(q)
         draft_cache.crop(verified)
         # Verify: one target pass over the last emitted token and the k drafts.
         verifying = time.perf_counter()
@@ -168,18 +172,12 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
     return Generation(truncate(tokens, max_new_tokens, eos), stats)
 
 
-def draft_distribution(drafter, draft_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """q over the target vocabulary (zero outside the draft vocab); one-hot when greedy."""
-    q = torch.zeros(len(drafter.t2d))
-    if temperature == 0:
-        q[drafter.draft_to_target[draft_logits.argmax()]] = 1.0
-    else:
-        q[drafter.draft_to_target] = torch.softmax(draft_logits / temperature, -1)
+def draft_distribution(to_target: torch.Tensor, vocab_size: int, draft_logits: torch.Tensor,
+                       temperature: float) -> torch.Tensor:
+    """q over the target vocabulary: the drafter's tempered softmax, zero outside the draft vocab."""
+    q = torch.zeros(vocab_size)
+    q[to_target] = torch.softmax(draft_logits / temperature, -1)
     return q
-
-
-def pick_from(q: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    return int(q.argmax()) if temperature == 0 else int(torch.multinomial(q, 1, generator=generator))
 
 
 def truncate(tokens: list[int], max_new_tokens: int, eos: int | None) -> list[int]:

@@ -131,6 +131,7 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(H, N, bias=False)
         self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
+        self._rotary = None  # serving-time cos/sin table (rotary_table)
 
     @classmethod
     def from_target(cls, cfg: Eagle3Config, target: FrozenTarget, token_counts: torch.Tensor) -> "Eagle3Drafter":
@@ -186,6 +187,14 @@ class Eagle3Drafter(nn.Module):
             metrics[f"acc_step{j}"] = hits.sum() / counted.sum().clamp(min=1)
         return loss, metrics
 
+    def rotary_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [positions, head_dim] of at least `length` positions, computed once per growth:
+        while serving, every drafter call would otherwise rebuild them."""
+        if self._rotary is None or len(self._rotary[0]) < length:
+            positions = torch.arange(max(length, 1024), device=self.d2t.device)
+            self._rotary = rotary(positions, self.layer_cfg.head_dim, rope_theta(self.layer_cfg))
+        return self._rotary
+
     def new_cache(self, batch: int, max_len: int, device=None) -> KVCache:
         c = self.layer_cfg
         return KVCache(batch, c.num_attention_heads, max_len, c.head_dim, device)
@@ -199,7 +208,7 @@ class Eagle3Drafter(nn.Module):
         """
         layer, start, m = self.layers[0], cache.length, tokens.shape[1]
         positions = torch.arange(start, start + m, device=tokens.device)
-        cos, sin = rotary(positions, self.layer_cfg.head_dim, rope_theta(self.layer_cfg))
+        cos, sin = (table[start : start + m] for table in self.rotary_table(start + m))
         residual, x = layer.attention_input(self.embed_tokens(tokens), hidden)
         q, k, v = layer.self_attn.qkv(x, cos, sin)
         keys, values = cache.append(k, v)
