@@ -1,0 +1,55 @@
+"""Resuming from a checkpoint continues exactly: same batches, same losses, bit for bit on the CPU."""
+
+import json
+import string
+import textwrap
+from pathlib import Path
+
+import datasets
+import lightning as L
+import torch
+
+from speculators import draft_vocab
+from speculators.eagle3 import Eagle3Config, Eagle3Drafter
+from train.data import DataConfig, TextDataModule
+from train.module import DrafterModule
+from train.optim import OptimConfig
+from train.run import LoggerConfig, TrainerConfig, checkpoint_to_resume, make_logger, make_trainer
+
+
+class RecordLosses(L.Callback):
+    def __init__(self):
+        self.losses = {}
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses[trainer.global_step] = float(outputs["loss"])
+
+
+def small_corpus() -> datasets.DatasetDict:
+    texts = [Path(m.__file__).read_text() for m in (json.decoder, json.encoder, textwrap, string)]
+    split = {"path": [f"f{i}.py" for i in range(len(texts))], "text": texts}
+    return datasets.DatasetDict({s: datasets.Dataset.from_dict(split) for s in ("train", "validation", "test")})
+
+
+def fit(target, run_dir: Path, max_steps: int, resume: str | None = None) -> dict:
+    """A drafter run as the recipe builds it (Trainer, checkpoints, DataModule state), no logger."""
+    L.seed_everything(0)
+    data = TextDataModule(DataConfig(seq_len=32, batch_size=2, max_val_sequences=2), small_corpus(), target.tokenizer, 0)
+    data.setup("fit")
+    counts = draft_vocab.count_tokens(data.train_rows, torch.ones_like(data.train_rows), target.vocab_size)
+    drafter = Eagle3Drafter.from_target(Eagle3Config(ttt_steps=2, draft_vocab_size=64), target, counts)
+    module = DrafterModule(drafter, target, OptimConfig(lr=1e-2, warmup_steps=2), max_steps=6)
+    recorder = RecordLosses()
+    trainer = make_trainer(TrainerConfig(max_steps=max_steps, val_every_n_steps=3, checkpoint_every_n_steps=3,
+                                         progress_bar=False), make_logger(LoggerConfig(kind="none"), run_dir, {}),
+                           run_dir, [recorder])
+    trainer.fit(module, data, ckpt_path=checkpoint_to_resume(resume))
+    return recorder.losses
+
+
+def test_resume_gives_the_same_losses_as_an_uninterrupted_run(llama_target, tmp_path):
+    straight = fit(llama_target, tmp_path / "straight", max_steps=6)
+    fit(llama_target, tmp_path / "interrupted", max_steps=3)
+    resumed = fit(llama_target, tmp_path / "resumed", max_steps=6, resume=str(tmp_path / "interrupted"))
+    assert sorted(resumed) == [4, 5, 6]
+    assert [resumed[s] for s in (4, 5, 6)] == [straight[s] for s in (4, 5, 6)]
