@@ -1,12 +1,16 @@
-"""Resuming from a checkpoint continues exactly: same batches, same losses, bit for bit on the CPU."""
+"""Resuming from a checkpoint continues exactly: same batches, same losses, bit for bit on the CPU,
+also after SIGTERM or Ctrl-C stopped the run (it saves a checkpoint on the way out)."""
 
 import json
+import os
+import signal
 import string
 import textwrap
 from pathlib import Path
 
 import datasets
 import lightning as L
+import pytest
 import torch
 
 from speculators import draft_vocab
@@ -14,7 +18,7 @@ from speculators.eagle3 import Eagle3Config, Eagle3Drafter
 from train.data import DataConfig, TextDataModule
 from train.module import DrafterModule
 from train.optim import OptimConfig
-from train.run import LoggerConfig, TrainerConfig, checkpoint_to_resume, make_logger, make_trainer
+from train.run import LoggerConfig, TrainerConfig, fit, make_logger, make_trainer
 
 
 class RecordLosses(L.Callback):
@@ -31,7 +35,18 @@ def small_corpus() -> datasets.DatasetDict:
     return datasets.DatasetDict({s: datasets.Dataset.from_dict(split) for s in ("train", "validation", "test")})
 
 
-def fit(target, run_dir: Path, max_steps: int, resume: str | None = None) -> dict:
+class SendSignal(L.Callback):
+    """Signal our own process after optimizer step `at_step`, as a scheduler or a user would."""
+
+    def __init__(self, at_step: int, signum: int):
+        self.at_step, self.signum = at_step, signum
+
+    def on_train_batch_end(self, trainer, *_):
+        if trainer.global_step == self.at_step:
+            os.kill(os.getpid(), self.signum)
+
+
+def train(target, run_dir: Path, max_steps: int, resume: str | None = None, callbacks=()) -> dict:
     """A drafter run as the recipe builds it (Trainer, checkpoints, DataModule state), no logger."""
     L.seed_everything(0)
     data = TextDataModule(DataConfig(seq_len=32, batch_size=2, max_val_sequences=2), small_corpus(), target.tokenizer, 0)
@@ -42,14 +57,25 @@ def fit(target, run_dir: Path, max_steps: int, resume: str | None = None) -> dic
     recorder = RecordLosses()
     trainer = make_trainer(TrainerConfig(max_steps=max_steps, val_every_n_steps=3, checkpoint_every_n_steps=3,
                                          progress_bar=False), make_logger(LoggerConfig(kind="none"), run_dir, {}),
-                           run_dir, [recorder])
-    trainer.fit(module, data, ckpt_path=checkpoint_to_resume(resume))
+                           run_dir, [recorder, *callbacks])
+    fit(trainer, module, data, resume)
     return recorder.losses
 
 
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(llama_target, tmp_path):
-    straight = fit(llama_target, tmp_path / "straight", max_steps=6)
-    fit(llama_target, tmp_path / "interrupted", max_steps=3)
-    resumed = fit(llama_target, tmp_path / "resumed", max_steps=6, resume=str(tmp_path / "interrupted"))
+    straight = train(llama_target, tmp_path / "straight", max_steps=6)
+    train(llama_target, tmp_path / "interrupted", max_steps=3)
+    resumed = train(llama_target, tmp_path / "resumed", max_steps=6, resume=str(tmp_path / "interrupted"))
     assert sorted(resumed) == [4, 5, 6]
     assert [resumed[s] for s in (4, 5, 6)] == [straight[s] for s in (4, 5, 6)]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_a_checkpoint_and_resume_continues_exactly(llama_target, tmp_path, signum):
+    straight = train(llama_target, tmp_path / "straight", max_steps=6)
+    with pytest.raises(SystemExit, match="stopped by a signal at step 2"):
+        train(llama_target, tmp_path / "stopped", max_steps=6, callbacks=[SendSignal(2, signum)])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C behaves as usual again
+    resumed = train(llama_target, tmp_path / "resumed", max_steps=6, resume=str(tmp_path / "stopped"))
+    assert sorted(resumed) == [3, 4, 5, 6]
+    assert [resumed[s] for s in (3, 4, 5, 6)] == [straight[s] for s in (3, 4, 5, 6)]

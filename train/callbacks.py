@@ -1,13 +1,18 @@
-"""Acceptance measured the way serving measures it, during training.
+"""Training callbacks: acceptance measured as serving measures it, and stopping on a signal.
 
-Every N optimizer steps the drafter is served by the bundled engine (inference.engine) on a
-few held-out prompts; tau and the per-position acceptance curve are logged under serve/.
-Teacher-forced accuracy (val/acc_step*) tends to flatter a drafter; these figures do not.
+ServeEvalCallback: every N optimizer steps the drafter is served by the bundled engine
+(inference.engine) on a few held-out prompts; tau and the per-position acceptance curve are
+logged under serve/. Teacher-forced accuracy (val/acc_step*) tends to flatter a drafter.
+
+CheckpointOnSignal: SIGTERM (pre-emption) or a first Ctrl-C ends training at the next batch
+boundary and writes checkpoints/last.ckpt, so `resume=<run dir>` loses nothing.
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from inference.engine import Stats, generate
 from speculators.config import at_least
@@ -40,3 +45,12 @@ class ServeEvalCallback(L.Callback):
         module.log("serve/acceptance_length", 1 + stats.num_accepted_tokens / drafts, prog_bar=True)
         for i, accepted in enumerate(stats.accepted_at, 1):
             module.log(f"serve/acceptance_pos{i}", accepted / drafts)
+
+
+class CheckpointOnSignal(L.Callback):
+    """Lightning stops at the next batch boundary after SIGTERM (train.run.fit turns a first
+    Ctrl-C into one); write last.ckpt before the run ends."""
+
+    def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            trainer.save_checkpoint(Path(trainer.checkpoint_callback.dirpath) / "last.ckpt")

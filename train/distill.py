@@ -14,7 +14,7 @@ from speculators.target import FrozenTarget
 from train.callbacks import ServeEvalCallback
 from train.data import TextDataModule
 from train.module import DrafterModule
-from train.run import DrafterRecipe, checkpoint_to_resume, make_logger, make_trainer
+from train.run import DrafterRecipe, fit, make_logger, make_trainer
 
 
 def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
@@ -35,7 +35,7 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
         prompts = [target.tokenizer(text)["input_ids"] for text in report.heldout_prompts(recipe.serve_eval.num_prompts)]
         callbacks.append(ServeEvalCallback(recipe.serve_eval, target, prompts, drafter_cfg.ttt_steps))
     trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, config), run_dir, callbacks)
-    trainer.fit(module, datamodule, ckpt_path=checkpoint_to_resume(recipe.resume))
+    fit(trainer, module, datamodule, recipe.resume)
 
     export_dir = export.save(drafter, run_dir / "export", recipe.target.name_or_path,
                              export.verifier_architectures(target))

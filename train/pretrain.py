@@ -161,7 +161,7 @@ def save_target(module: CausalLMModule, tokenizer, files, out: Path, tokens_seen
 def run_pretrain(recipe, run_dir: Path) -> None:
     from dataclasses import asdict
 
-    from train.run import checkpoint_to_resume, make_logger, make_trainer
+    from train.run import fit, make_logger, make_trainer
 
     files = corpus.stdlib_files(recipe.data.stdlib_path, recipe.data.include_tests)
     tokenizer = prepare_tokenizer(run_dir, files, recipe.model.vocab_size)
@@ -170,7 +170,7 @@ def run_pretrain(recipe, run_dir: Path) -> None:
                             token_byte_lengths(tokenizer))
     trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, asdict(recipe)), run_dir,
                            monitor="val/loss")
-    trainer.fit(module, datamodule, ckpt_path=checkpoint_to_resume(recipe.resume))
+    fit(trainer, module, datamodule, recipe.resume)
     best = trainer.checkpoint_callback.best_model_path
     if best:  # ship the checkpoint with the lowest validation loss, not merely the last
         module.load_state_dict(torch.load(best, map_location="cpu", weights_only=True)["state_dict"])

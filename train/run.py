@@ -6,6 +6,8 @@ Two recipes share the Trainer, logger and checkpoint set-up below:
 """
 
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,11 +15,13 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from speculators.config import UserError, at_least, one_of, to_dataclass
 from speculators.target import QuantConfig, TargetConfig
-from train.callbacks import ServeEvalConfig
+from train.callbacks import CheckpointOnSignal, ServeEvalConfig
 from train.data import DataConfig
 from train.optim import OptimConfig
 from train.pretrain import ModelConfig
@@ -130,12 +134,23 @@ def make_logger(cfg: LoggerConfig, run_dir: Path, config: dict):
                        mode=wandb_mode(cfg), config=config)
 
 
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write each checkpoint to a temporary file and rename it into place: a run killed while
+    saving keeps its previous checkpoint whole."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        partial = Path(f"{path}.partial")
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        os.replace(partial, path)
+
+
 def make_trainer(cfg: TrainerConfig, logger, run_dir: Path, extra_callbacks=(), monitor: str | None = None) -> L.Trainer:
-    """A step-based Trainer: validation and checkpoints every N optimizer steps, last.ckpt kept."""
+    """A step-based Trainer: validation and checkpoints every N optimizer steps, last.ckpt kept,
+    and a checkpoint written when a signal stops the run."""
     checkpoints = ModelCheckpoint(dirpath=run_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every_n_steps,
                                   save_last=True, save_top_k=1 if monitor else 0, monitor=monitor,
                                   filename="best" if monitor else None)
-    callbacks = [checkpoints, *extra_callbacks]
+    callbacks = [checkpoints, CheckpointOnSignal(), *extra_callbacks]
     if logger:
         callbacks.append(LearningRateMonitor("step"))
     return L.Trainer(
@@ -143,8 +158,27 @@ def make_trainer(cfg: TrainerConfig, logger, run_dir: Path, extra_callbacks=(), 
         accumulate_grad_batches=cfg.accumulate_grad_batches, gradient_clip_val=cfg.gradient_clip_val,
         log_every_n_steps=cfg.log_every_n_steps, val_check_interval=cfg.val_every_n_steps,
         check_val_every_n_epoch=None, logger=logger, callbacks=callbacks, default_root_dir=run_dir,
-        enable_progress_bar=cfg.progress_bar, num_sanity_val_steps=0,
+        enable_progress_bar=cfg.progress_bar, num_sanity_val_steps=0, plugins=[AtomicCheckpointIO()],
     )
+
+
+def fit(trainer: L.Trainer, module: L.LightningModule, datamodule, resume: str | None) -> None:
+    """trainer.fit, resuming if asked. SIGTERM or a first Ctrl-C stop it at the next batch
+    boundary with a checkpoint (CheckpointOnSignal) and a one-line message; a second Ctrl-C
+    interrupts at once."""
+
+    def stop_at_next_step(signum, frame):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.raise_signal(signal.SIGTERM)  # Lightning's own graceful stop
+
+    previous = signal.signal(signal.SIGINT, stop_at_next_step)
+    try:
+        trainer.fit(module, datamodule, ckpt_path=checkpoint_to_resume(resume))
+    except SIGTERMException:
+        last = Path(trainer.checkpoint_callback.dirpath) / "last.ckpt"
+        sys.exit(f"stopped by a signal at step {trainer.global_step}; saved {last}; continue with resume=<run dir>")
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def checkpoint_to_resume(resume: str | None) -> str | None:
