@@ -1,5 +1,6 @@
 """Resuming from a checkpoint continues exactly: same batches, same losses, bit for bit on the CPU,
-also after SIGTERM or Ctrl-C stopped the run (it saves a checkpoint on the way out)."""
+also after SIGTERM or Ctrl-C stopped the run (it saves a checkpoint on the way out). A
+non-finite loss stops the run with one line and leaves the last good checkpoint."""
 
 import json
 import os
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from speculators import draft_vocab
+from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
 from train.data import DataConfig, TextDataModule
 from train.module import DrafterModule
@@ -79,3 +81,24 @@ def test_a_signal_saves_a_checkpoint_and_resume_continues_exactly(llama_target, 
     resumed = train(llama_target, tmp_path / "resumed", max_steps=6, resume=str(tmp_path / "stopped"))
     assert sorted(resumed) == [3, 4, 5, 6]
     assert [resumed[s] for s in (3, 4, 5, 6)] == [straight[s] for s in (3, 4, 5, 6)]
+
+
+def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(llama_target, tmp_path, monkeypatch):
+    real_loss = Eagle3Drafter.training_loss
+
+    def diverging_after_step_3(self, *args):
+        loss, metrics = real_loss(self, *args)
+        return (loss * float("nan") if self.training and poisoned["on"] else loss), metrics
+
+    poisoned = {"on": False}
+    monkeypatch.setattr(Eagle3Drafter, "training_loss", diverging_after_step_3)
+
+    class PoisonAfter(L.Callback):
+        def on_train_batch_end(self, trainer, *_):
+            poisoned["on"] = trainer.global_step >= 3
+
+    with pytest.raises(UserError, match="non-finite loss .* at step 4"):
+        train(llama_target, tmp_path / "run", max_steps=6, callbacks=[PoisonAfter()])
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["global_step"] == 3
+    assert all(torch.isfinite(t).all() for t in checkpoint["state_dict"].values() if t.is_floating_point())

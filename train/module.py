@@ -10,7 +10,7 @@ import lightning as L
 import torch
 
 from speculators.target import FrozenTarget
-from train.optim import OptimConfig, configure
+from train.optim import OptimConfig, check_finite, configure
 
 
 class DrafterModule(L.LightningModule):
@@ -31,7 +31,9 @@ class DrafterModule(L.LightningModule):
         return loss
 
     def training_step(self, batch: dict, _) -> torch.Tensor:
-        return self.step(batch, "train")
+        loss = self.step(batch, "train")
+        check_finite(loss, self.global_step + 1, self.trainer.default_root_dir)
+        return loss
 
     def validation_step(self, batch: dict, _) -> None:
         self.step(batch, "val")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculators.config import at_least, require
+from speculators.config import UserError, at_least, require
 
 
 @dataclass
@@ -23,6 +23,13 @@ class OptimConfig:
         at_least(0, optim__warmup_steps=self.warmup_steps, optim__weight_decay=self.weight_decay)
         for key, beta in (("optim.beta1", self.beta1), ("optim.beta2", self.beta2)):
             require(0 <= beta < 1, key, beta, "in [0, 1)")
+
+
+def check_finite(loss: torch.Tensor, step: int, run_dir) -> None:
+    """Stop on a NaN/inf loss before it reaches the weights; the last checkpoint stays the last good one."""
+    if not torch.isfinite(loss):
+        raise UserError(f"non-finite loss ({loss.item()}) at step {step}; the last good checkpoint is in "
+                        f"{run_dir}/checkpoints (resume=<run dir> after lowering optim.lr)")
 
 
 def configure(params, cfg: OptimConfig, max_steps: int) -> dict:

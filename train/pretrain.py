@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from speculators import corpus
 from speculators.config import at_least, require
 from train.data import TextDataModule
-from train.optim import OptimConfig, configure
+from train.optim import OptimConfig, check_finite, configure
 
 EOS = "<|endoftext|>"
 
@@ -95,6 +95,7 @@ class CausalLMModule(L.LightningModule):
 
     def training_step(self, batch, _):
         loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        check_finite(loss, self.global_step + 1, self.trainer.default_root_dir)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
