@@ -173,7 +173,7 @@ def fit(trainer: L.Trainer, module: L.LightningModule, datamodule, resume: str |
 
     previous = signal.signal(signal.SIGINT, stop_at_next_step)
     try:
-        trainer.fit(module, datamodule, ckpt_path=checkpoint_to_resume(resume))
+        trainer.fit(module, datamodule, ckpt_path=checkpoint_to_resume(resume), weights_only=True)  # no pickled code
     except SIGTERMException:
         last = Path(trainer.checkpoint_callback.dirpath) / "last.ckpt"
         sys.exit(f"stopped by a signal at step {trainer.global_step}; saved {last}; continue with resume=<run dir>")
