@@ -5,7 +5,8 @@ Notation (Leviathan et al. 2023; Chen et al. 2023): p = the target's next-token
 distribution, q = the drafter's. Greedy verification accepts the longest prefix of drafts
 equal to the target's argmax. Sampling accepts draft x ~ q with probability
 min(1, p(x)/q(x)) and on rejection samples from norm(max(0, p - q)), so every emitted token
-is distributed exactly as the target alone would sample it.
+is distributed exactly as the target alone would sample it. Both rules live once, in
+kernels.verify (a Triton kernel on GPUs, its torch reference here).
 
 Batch size 1. The target runs in a session (inference.sessions: a preallocated cache for
 Llama-family targets, transformers' DynamicCache otherwise); the drafter keeps a
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kernels
 from inference.sessions import open_session
 from speculators.config import UserError
 from speculators.target import FrozenTarget
@@ -70,24 +72,17 @@ def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -
 
 def verify_greedy(drafts: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
     """(accepted count, next token): target_logits [k+1, V] from the pass over [last, *drafts]."""
-    best = target_logits.argmax(-1).tolist()
-    for i, token in enumerate(drafts):
-        if token != best[i]:
-            return i, best[i]
-    return len(drafts), best[len(drafts)]
+    accepted, token = kernels.verify_greedy(torch.tensor([drafts], dtype=torch.long), target_logits[None])
+    return int(accepted), int(token)
 
 
 def verify_sampling(drafts: list[int], draft_probs: torch.Tensor, target_logits: torch.Tensor,
                     temperature: float, generator: torch.Generator) -> tuple[int, int]:
     """Lossless rejection sampling; draft_probs [k, V] is q in the target vocabulary."""
-    p = torch.softmax(target_logits / temperature, -1)
-    for i, token in enumerate(drafts):
-        accept_prob = min(1.0, float(p[i, token] / draft_probs[i, token]))
-        if float(torch.rand((), generator=generator)) < accept_prob:
-            continue
-        residual = (p[i] - draft_probs[i]).clamp(min=0)
-        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+    uniform = torch.rand(1, len(drafts) + 1, generator=generator)
+    accepted, token = kernels.verify_sampling(torch.tensor([drafts], dtype=torch.long), draft_probs[None],
+                                              target_logits[None], temperature, uniform)
+    return int(accepted), int(token)
 
 
 def check_pair(target: FrozenTarget, drafter) -> None:
