@@ -72,8 +72,16 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(llama_target, tmp_
     assert [resumed[s] for s in (4, 5, 6)] == [straight[s] for s in (4, 5, 6)]
 
 
+@pytest.fixture
+def interactive_sigint():
+    """Ctrl-C as in a terminal (CI runs us in the background, where SIGINT is ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_saves_a_checkpoint_and_resume_continues_exactly(llama_target, tmp_path, signum):
+def test_a_signal_saves_a_checkpoint_and_resume_continues_exactly(llama_target, tmp_path, signum, interactive_sigint):
     straight = train(llama_target, tmp_path / "straight", max_steps=6)
     with pytest.raises(SystemExit, match="stopped by a signal at step 2"):
         train(llama_target, tmp_path / "stopped", max_steps=6, callbacks=[SendSignal(2, signum)])

@@ -171,7 +171,9 @@ def fit(trainer: L.Trainer, module: L.LightningModule, datamodule, resume: str |
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.raise_signal(signal.SIGTERM)  # Lightning's own graceful stop
 
-    previous = signal.signal(signal.SIGINT, stop_at_next_step)
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.SIG_IGN:  # nohup and background jobs ignore Ctrl-C on purpose
+        signal.signal(signal.SIGINT, stop_at_next_step)
     try:
         trainer.fit(module, datamodule, ckpt_path=checkpoint_to_resume(resume), weights_only=True)  # no pickled code
     except SIGTERMException:
