@@ -19,12 +19,17 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or INTERPRET
 
 
-# Imported after the rule, which both modules use.
+# Imported after the rule, which these modules use.
 from kernels.distill import (
     distill_loss,
     distill_loss_chunked,
     distill_loss_reference,
     distill_loss_triton,
+)
+from kernels.quant_matmul import (
+    quant_matmul,
+    quant_matmul_reference,
+    quant_matmul_triton,
 )
 from kernels.verify import (
     verify_greedy,
@@ -38,6 +43,7 @@ from kernels.verify import (
 __all__ = [
     "INTERPRET", "use_triton",
     "distill_loss", "distill_loss_chunked", "distill_loss_reference", "distill_loss_triton",
+    "quant_matmul", "quant_matmul_reference", "quant_matmul_triton",
     "verify_greedy", "verify_greedy_reference", "verify_greedy_triton",
     "verify_sampling", "verify_sampling_reference", "verify_sampling_triton",
 ]

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from speculators.config import UserError, one_of
+from speculators.quant import QuantConfig, quantize
 
-QUANT_SCHEMES = ("none",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -25,14 +25,6 @@ class TargetConfig:
 
     def __post_init__(self):
         one_of("target.dtype", self.dtype, DTYPES)
-
-
-@dataclass
-class QuantConfig:
-    scheme: str = "none"  # weight-only quantization of the target's linear layers
-
-    def __post_init__(self):
-        one_of("quant.scheme", self.scheme, QUANT_SCHEMES)
 
 
 @dataclass
@@ -79,7 +71,7 @@ class FrozenTarget:
                                                          trust_remote_code=cfg.trust_remote_code)
         except (OSError, ValueError) as e:
             raise UserError(f"cannot load target {cfg.name_or_path!r}: {str(e).splitlines()[0]}") from None
-        return cls(model, tokenizer, cfg.name_or_path, cfg.layer_ids)
+        return cls(quantize(model, quant), tokenizer, cfg.name_or_path, cfg.layer_ids)
 
     def to(self, device) -> "FrozenTarget":
         self.model.to(device)

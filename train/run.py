@@ -20,7 +20,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from speculators.config import UserError, at_least, one_of, to_dataclass
-from speculators.target import QuantConfig, TargetConfig
+from speculators.quant import QuantConfig
+from speculators.target import TargetConfig
 from train.callbacks import CheckpointOnSignal, ServeEvalConfig
 from train.data import DataConfig
 from train.optim import OptimConfig

@@ -1,0 +1,118 @@
+"""Quantized-target benchmark: decode speed and weight memory per quantization scheme.
+
+    python -m inference.quant_bench OUT.json [--target DIR] [--prompts 4] [--new-tokens 64] [--repeats 3]
+                                             [--all-weights]
+
+Target-only greedy decoding (inference.engine.generate, K=0, batch 1) of the same held-out
+prompts by the target loaded once per scheme (none, int8, int4, fp8; embeddings and lm_head
+kept, the defaults, or quantized too with --all-weights). Schemes are interleaved prompt by prompt within each repeat, so each sees
+the same machine load; tokens/s is the median over repeats of (tokens emitted) / (decode time
+after the first token). Also per scheme: weight bytes, the CPU operator its linear layers use,
+the quantize-dequantize relative error ||W - W_q||_F / ||W||_F over the quantized layers, and
+output drift (mean length of the greedy output's prefix equal to the unquantized target's).
+"""
+
+import argparse
+import json
+import statistics
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from inference.engine import generate
+from inference.report import git_revision, heldout_prompts, machine
+from speculators.config import PROJECT_ROOT
+from speculators.quant import QUANT_SCHEMES, QuantConfig, QuantizedEmbedding, QuantizedLinear, weight_bytes
+from speculators.target import FrozenTarget, TargetConfig
+
+
+def load(target_dir: str, quant: QuantConfig) -> tuple[FrozenTarget, float | None]:
+    """The target quantized by `quant`, and its quantize-dequantize relative error."""
+    full = dict(FrozenTarget.load(TargetConfig(name_or_path=target_dir)).model.named_modules())
+    target = FrozenTarget.load(TargetConfig(name_or_path=target_dir), quant)
+    quantized = {name: m.weight for name, m in quantized_modules(target.model)}
+    if not quantized:
+        return target, None
+    squares = [((full[n].weight.detach().float() - w).pow(2).sum(), full[n].weight.float().pow(2).sum())
+               for n, w in quantized.items()]
+    return target, float((sum(d for d, _ in squares) / sum(n for _, n in squares)).sqrt())
+
+
+def quantized_modules(model) -> list[tuple[str, torch.nn.Module]]:
+    """Quantized linear layers and embeddings (not the tables inside the embeddings)."""
+    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+    embeddings = {name for name, m in modules if isinstance(m, QuantizedEmbedding)}
+    return [(name, m) for name, m in modules if name.rpartition(".")[0] not in embeddings]
+
+
+def linear_ops(model) -> dict[str, int]:
+    """How many linear layers run through each CPU operator."""
+    ops = Counter(m.cpu_op() for _, m in quantized_modules(model) if isinstance(m, QuantizedLinear))
+    ops["aten.linear (full precision)"] += sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    return {op: n for op, n in ops.items() if n}
+
+
+def prefix_match(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_weights: bool) -> dict:
+    options = dict(quantize_embeddings=all_weights, quantize_lm_head=all_weights)
+    loaded = {scheme: load(target_dir, QuantConfig(scheme=scheme, **options)) for scheme in QUANT_SCHEMES}
+    tokenizer = loaded["none"][0].tokenizer
+    prompts = [tokenizer(text)["input_ids"] for text in heldout_prompts(num_prompts)]
+    speeds = {scheme: [] for scheme in QUANT_SCHEMES}
+    outputs = {scheme: [] for scheme in QUANT_SCHEMES}
+    for _ in range(repeats):
+        tokens = dict.fromkeys(QUANT_SCHEMES, 0)
+        seconds = dict.fromkeys(QUANT_SCHEMES, 0.0)
+        for i, ids in enumerate(prompts):
+            for scheme, (target, _) in loaded.items():
+                out = generate(target, None, ids, new_tokens, k=0)
+                tokens[scheme] += len(out.tokens) - 1  # decode: after the first token
+                seconds[scheme] += out.stats.decode_s
+                if len(outputs[scheme]) < len(prompts):
+                    outputs[scheme].append(out.tokens)
+        for scheme in QUANT_SCHEMES:
+            speeds[scheme].append(tokens[scheme] / seconds[scheme])
+    base = statistics.median(speeds["none"])
+    rows = {}
+    for scheme, (target, error) in loaded.items():
+        rows[scheme] = {
+            "decode_tokens_per_s": statistics.median(speeds[scheme]),
+            "speedup_vs_none": statistics.median(speeds[scheme]) / base,
+            "tokens_per_s_repeats": speeds[scheme],
+            "weight_bytes": weight_bytes(target.model),
+            "linear_ops": linear_ops(target.model),
+            "quant_dequant_rel_error": error,
+            "mean_prefix_equal_to_none": statistics.mean(
+                prefix_match(a, b) for a, b in zip(outputs[scheme], outputs["none"])),
+        }
+    return {"schemes": rows, "config": dict(target=target_dir, prompts=num_prompts, new_tokens=new_tokens,
+                                            repeats=repeats, quant_options=options),
+            "git_revision": git_revision(), "machine": machine()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--target", default=str(PROJECT_ROOT / "models" / "pycode"))
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--all-weights", action="store_true", help="quantize the embeddings and lm_head too")
+    args = parser.parse_args()
+    result = run(args.target, args.prompts, args.new_tokens, args.repeats, args.all_weights)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for scheme, row in result["schemes"].items():
+        print(f"{scheme:5} {row['decode_tokens_per_s']:7.1f} tok/s  x{row['speedup_vs_none']:.2f}  "
+              f"{row['weight_bytes'] / 2**20:6.2f} MiB  err {row['quant_dequant_rel_error']}  {row['linear_ops']}")
+
+
+if __name__ == "__main__":
+    main()

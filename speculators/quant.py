@@ -1,0 +1,247 @@
+"""Weight-only quantization of the frozen target, applied once at load (gpt-fast's pattern).
+
+Each scheme is a handler that checks a layer and builds its replacement module; `quantize`
+swaps the target's nn.Linear modules (and, if asked, its embeddings and lm_head) in place.
+Activations stay in the target's dtype; only weights are stored in fewer bits:
+- int8: per output channel n, s[n] = max_k |W[n, k]| / 127, q = round(W / s), W ~ q s.
+- int4: per group of `group_size` input columns, s = (max - min) / 15, q = round((W - min) / s)
+  in 0..15, z = min + 8 s, W ~ (q - 8) s + z (PyTorch's int4 convention).
+- fp8: per output channel, s[n] = max_k |W[n, k]| / 448 (the largest e4m3 value), q = e4m3(W / s).
+
+Forward, one dispatch rule: the Triton kernel (kernels.quant_matmul) where kernels.use_triton
+says so; else on the CPU PyTorch's packed weight-only operators where they exist
+(aten._weight_int8pack_mm; aten._weight_int4pack_mm_for_cpu, which needs N % 16 == 0 and a group
+size of 32..256, and its own weight layout, chosen when the layer is quantized and undone when
+it leaves the CPU); else dequantize and matmul. fp8 always dequantizes (PyTorch has no
+weight-only fp8 CPU operator). The quantized modules expose `weight`, the dequantized fp32
+matrix, for code that copies the target's embeddings or lm_head (drafters' from_target).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from kernels.quant_matmul import dequantize, pack_int4
+from speculators.config import UserError, one_of, require
+
+QUANT_SCHEMES = ("none", "int8", "int4", "fp8")
+INT8_OP = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
+INT4_PACK_OP = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+INT4_OP = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+INT4_OP_GROUPS = (32, 64, 128, 256)  # group sizes the int4 CPU operator takes; it also needs N % 16 == 0
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclass
+class QuantConfig:
+    scheme: str = "none"  # weight-only quantization of the target's linear layers
+    group_size: int = 32  # int4: input columns sharing one scale and zero; must divide every quantized width
+    quantize_embeddings: bool = False  # also the input embeddings (rows dequantized on lookup)
+    quantize_lm_head: bool = False  # also the output projection
+
+    def __post_init__(self):
+        one_of("quant.scheme", self.scheme, QUANT_SCHEMES)
+        require(self.group_size >= 2 and self.group_size % 2 == 0, "quant.group_size", self.group_size,
+                "an even number >= 2 (two int4 values share a byte)")
+        for key in ("quantize_embeddings", "quantize_lm_head"):
+            require(isinstance(getattr(self, key), bool), f"quant.{key}", getattr(self, key), "true or false")
+
+
+# --- quantized modules -------------------------------------------------------------------------
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W stored quantized; subclasses define `matmul` and `rows`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features, device=self.qweight.device))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class WeightOnlyInt8Linear(QuantizedLinear):
+    def __init__(self, weight, bias):
+        super().__init__(weight, bias)
+        w = weight.detach().float()
+        scales = w.abs().amax(1).clamp(min=1e-12) / 127
+        self.register_buffer("qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales)
+
+    def matmul(self, x):
+        if INT8_OP is None or kernels.use_triton(x):
+            return kernels.quant_matmul(x, self.qweight, self.scales)
+        return INT8_OP(x, self.qweight, self.scales.to(x.dtype))
+
+    def rows(self, ids):
+        return dequantize(self.qweight[ids], self.scales[ids])
+
+    def cpu_op(self) -> str:
+        return "aten._weight_int8pack_mm" if INT8_OP else "dequantize + matmul"
+
+
+class WeightOnlyInt4Linear(QuantizedLinear):
+    def __init__(self, weight, bias, group_size: int, cpu_pack: bool = True):
+        super().__init__(weight, bias)
+        N, K = weight.shape
+        w = weight.detach().float().view(N, K // group_size, group_size)
+        low, high = w.amin(-1), w.amax(-1)
+        scales = (high - low).clamp(min=1e-12) / 15
+        q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).view(N, K)
+        zeros = low + 8 * scales
+        self.group_size = group_size
+        self.cpu_packed = (cpu_pack and INT4_OP is not None and INT4_PACK_OP is not None and not kernels.INTERPRET
+                           and weight.device.type == "cpu" and group_size in INT4_OP_GROUPS and N % 16 == 0)
+        if self.cpu_packed:  # PyTorch's CPU operator: its own packing of q, and (s, z) as one [K/g, N, 2] tensor
+            self.register_buffer("qweight", INT4_PACK_OP(q.to(torch.int32), 1))
+            self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], -1).transpose(0, 1).contiguous())
+        else:  # kernels.quant_matmul's format
+            self.register_buffer("qweight", pack_int4(q))
+            self.register_buffer("scales", scales)
+            self.register_buffer("zeros", zeros)
+
+    def matmul(self, x):
+        if self.cpu_packed:
+            return INT4_OP(x, self.qweight, self.group_size, self.scales_and_zeros.to(x.dtype))
+        return kernels.quant_matmul(x, self.qweight, self.scales, self.zeros, self.group_size)
+
+    def unpack(self) -> None:
+        """Back to kernels.quant_matmul's format, exactly: q = (W - z) / s + 8 with W read through the operator."""
+        scales, zeros = self.scales_and_zeros.transpose(0, 1).unbind(-1)
+        N, K = self.out_features, self.in_features
+        w = self.weight.view(N, K // self.group_size, self.group_size)
+        q = torch.round((w - zeros[..., None]) / scales[..., None] + 8).clamp(0, 15).view(N, K)
+        del self.scales_and_zeros
+        self.cpu_packed = False
+        self.qweight = pack_int4(q)
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("zeros", zeros.contiguous())
+
+    def _apply(self, fn, recurse=True):
+        # The CPU operator's layout is CPU-only: leaving the CPU (model.to("cuda")), unpack first.
+        if self.cpu_packed and fn(torch.zeros(0)).device.type != "cpu":
+            self.unpack()
+        return super()._apply(fn, recurse)
+
+    def rows(self, ids):
+        if self.cpu_packed:  # the operator's layout is opaque: W^T = I_K W^T, through the operator
+            eye = torch.eye(self.in_features, device=ids.device)
+            return INT4_OP(eye, self.qweight, self.group_size, self.scales_and_zeros).T[ids]
+        return dequantize(self.qweight[ids], self.scales[ids], self.zeros[ids], self.group_size)
+
+    def cpu_op(self) -> str:
+        return "aten._weight_int4pack_mm_for_cpu" if self.cpu_packed else "dequantize + matmul"
+
+
+class WeightOnlyFp8Linear(QuantizedLinear):
+    def __init__(self, weight, bias):
+        super().__init__(weight, bias)
+        w = weight.detach().float()
+        scales = w.abs().amax(1).clamp(min=1e-12) / FP8_MAX
+        self.register_buffer("qweight", (w / scales[:, None]).to(torch.float8_e4m3fn))
+        self.register_buffer("scales", scales)
+
+    def matmul(self, x):
+        # x (q s)^T = (x q^T) s: scale the N outputs, not the N x K weight
+        return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+
+    def rows(self, ids):
+        return dequantize(self.qweight[ids], self.scales[ids])
+
+    def cpu_op(self) -> str:
+        return "dequantize + matmul"
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table stored like a quantized Linear's weight; looked-up rows are dequantized."""
+
+    def __init__(self, table: QuantizedLinear, dtype: torch.dtype):
+        super().__init__()
+        self.table, self.dtype = table, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids.reshape(-1)).to(self.dtype).view(*ids.shape, -1)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table.weight
+
+
+# --- handlers: one per scheme ------------------------------------------------------------------
+
+
+class Int8Handler:
+    def __init__(self, cfg: QuantConfig):
+        self.cfg = cfg
+
+    def check(self, name: str, width: int) -> None:
+        pass  # per channel: any width
+
+    def convert(self, weight, bias, cpu_pack: bool = True) -> QuantizedLinear:
+        return WeightOnlyInt8Linear(weight, bias)
+
+
+class Int4Handler(Int8Handler):
+    def check(self, name, width):
+        if width % self.cfg.group_size:
+            raise UserError(f"quant.group_size={self.cfg.group_size} does not divide the input width {width} of "
+                            f"{name}; choose a divisor of it")
+
+    def convert(self, weight, bias, cpu_pack=True):
+        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_pack)
+
+
+class Fp8Handler(Int8Handler):
+    def convert(self, weight, bias, cpu_pack=True):
+        return WeightOnlyFp8Linear(weight, bias)
+
+
+HANDLERS = {"int8": Int8Handler, "int4": Int4Handler, "fp8": Fp8Handler}
+
+
+def quantize(model: nn.Module, cfg: QuantConfig) -> nn.Module:
+    """Replace `model`'s linear layers (and embeddings / lm_head if configured) in place; returns it."""
+    if cfg.scheme == "none":
+        return model
+    existing = getattr(model.config, "quantization_config", None)
+    if existing is not None:
+        method = existing.get("quant_method") if isinstance(existing, dict) else getattr(existing, "quant_method", "?")
+        raise UserError(f"quant.scheme={cfg.scheme}: the target is already quantized ({method}); "
+                        f"load it with quant.scheme=none")
+    handler = HANDLERS[cfg.scheme](cfg)
+    chosen = layers_to_quantize(model, cfg)
+    for name, module in chosen:  # every check before any change
+        handler.check(name, module.weight.shape[1])
+    for name, module in chosen:
+        if isinstance(module, nn.Embedding):
+            new = QuantizedEmbedding(handler.convert(module.weight, None, cpu_pack=False), module.weight.dtype)
+        else:
+            new = handler.convert(module.weight, module.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+    return model
+
+
+def layers_to_quantize(model: nn.Module, cfg: QuantConfig) -> list[tuple[str, nn.Module]]:
+    lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return [(name, m) for name, m in model.named_modules()
+            if (isinstance(m, nn.Linear) and (m is not lm_head or cfg.quantize_lm_head))
+            or (m is embed and cfg.quantize_embeddings)]
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer: what the weights occupy in memory."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
