@@ -172,9 +172,11 @@ def run_pretrain(recipe, run_dir: Path) -> None:
     trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, asdict(recipe)), run_dir,
                            monitor="val/loss")
     fit(trainer, module, datamodule, recipe.resume)
-    best = trainer.checkpoint_callback.best_model_path
+    steps, best = trainer.global_step, trainer.checkpoint_callback.best_model_path
     if best:  # ship the checkpoint with the lowest validation loss, not merely the last
-        module.load_state_dict(torch.load(best, map_location="cpu", weights_only=True)["state_dict"])
-    tokens_seen = trainer.global_step * recipe.trainer.accumulate_grad_batches * recipe.data.batch_size * recipe.data.seq_len
+        checkpoint = torch.load(best, map_location="cpu", weights_only=True)
+        module.load_state_dict(checkpoint["state_dict"])
+        steps = checkpoint["global_step"]
+    tokens_seen = steps * recipe.trainer.accumulate_grad_batches * recipe.data.batch_size * recipe.data.seq_len
     save_target(module, tokenizer, files, run_dir / "model", tokens_seen, recipe.data)
     print(f"target saved to {run_dir / 'model'}; measure it with: python -m train.target_card {run_dir / 'model'}")
