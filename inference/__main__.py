@@ -15,13 +15,9 @@ from speculators.config import exit_on_user_error, run_cli, to_dataclass
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     from inference import report
-    from speculators import export
-    from speculators.target import FrozenTarget, TargetConfig
 
     cfg = to_dataclass(report.InferenceConfig, cfg)
-    drafter, drafter_config = export.load(Path(cfg.drafter))
-    verifier = cfg.target or drafter_config["speculators_config"]["verifier"]["name_or_path"]
-    target = FrozenTarget.load(TargetConfig(name_or_path=verifier, layer_ids=drafter.layer_ids))
+    drafter, target = report.load_pair(cfg.drafter, cfg.target)
     result = report.measure(target, drafter, report.load_prompts(cfg), cfg)
     path = report.write(result, Path(cfg.out or HydraConfig.get().runtime.output_dir))
     print(f"report: {path}")

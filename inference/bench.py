@@ -111,13 +111,9 @@ def main(cfg: DictConfig) -> None:
     from transformers import AutoModelForCausalLM
 
     from inference import report
-    from speculators import export
-    from speculators.target import FrozenTarget, TargetConfig
 
     cfg = to_dataclass(BenchConfig, cfg)
-    drafter, drafter_config = export.load(Path(cfg.drafter))
-    verifier = cfg.target or drafter_config["speculators_config"]["verifier"]["name_or_path"]
-    target = FrozenTarget.load(TargetConfig(name_or_path=verifier, layer_ids=drafter.layer_ids))
+    drafter, target = report.load_pair(cfg.drafter, cfg.target)
     assistant = AutoModelForCausalLM.from_pretrained(cfg.assistant).eval() if cfg.assistant else None
     prompts = [target.tokenizer(t)["input_ids"] for t in report.heldout_prompts(cfg.num_prompts, cfg.prompt_lines)]
     rows = run(target, drafter.eval(), assistant, prompts, cfg)

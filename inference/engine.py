@@ -87,7 +87,7 @@ def verify_sampling(drafts: list[int], draft_probs: torch.Tensor, target_logits:
 
 def check_pair(target: FrozenTarget, drafter) -> None:
     """Refuse a drafter built for another target before generating anything."""
-    hidden = drafter.fc.in_features // len(drafter.layer_ids)
+    hidden = drafter.target_hidden_size
     problems = []
     if hidden != target.hidden_size:
         problems.append(f"hidden size {hidden} (drafter) vs {target.hidden_size} (target)")
@@ -95,7 +95,7 @@ def check_pair(target: FrozenTarget, drafter) -> None:
         problems.append(f"vocabulary size {len(drafter.t2d)} (drafter) vs {target.vocab_size} (target)")
     if len(drafter.d2t) != drafter.lm_head.out_features:
         problems.append(f"d2t length {len(drafter.d2t)} vs the drafter's {drafter.lm_head.out_features} draft tokens")
-    if max(drafter.layer_ids) >= target.num_layers:
+    if max(getattr(drafter, "layer_ids", None) or [0]) >= target.num_layers:
         problems.append(f"feature layer ids {drafter.layer_ids} (drafter) vs a target of {target.num_layers} layers")
     if problems:
         raise UserError("drafter does not fit the target: " + "; ".join(problems))

@@ -37,6 +37,17 @@ class InferenceConfig:
         at_least(1, num_prompts=self.num_prompts, prompt_lines=self.prompt_lines, max_new_tokens=self.max_new_tokens)
 
 
+def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
+    """(drafter, target) from an export; the target is the verifier its config names unless given."""
+    from speculators import export
+    from speculators.quant import QuantConfig
+    from speculators.target import FrozenTarget, TargetConfig
+
+    drafter, verifier = export.load(Path(drafter_path))
+    target_cfg = TargetConfig(name_or_path=target_path or verifier, layer_ids=getattr(drafter, "layer_ids", None))
+    return drafter.eval(), FrozenTarget.load(target_cfg, quant or QuantConfig())
+
+
 def heldout_prompts(count: int, lines: int = 6) -> list[str]:
     """The first lines of the first `count` test-split files: code no target or drafter trained on."""
     test = corpus.stdlib_files()["test"]

@@ -116,6 +116,7 @@ class Eagle3DecoderLayer(nn.Module):
 
 class Eagle3Drafter(nn.Module):
     config_class = Eagle3Config
+    export_format = "speculators"
     speculators_model_type = "eagle3"
 
     def __init__(self, cfg: Eagle3Config, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
@@ -142,6 +143,25 @@ class Eagle3Drafter(nn.Module):
             drafter.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
             drafter.lm_head.weight.copy_(target.model.get_output_embeddings().weight[drafter.draft_to_target].float())
         return drafter
+
+    @classmethod
+    def from_speculators_config(cls, config: dict, layer_cfg: LlamaConfig) -> "Eagle3Drafter":
+        """An empty drafter shaped by an export's config.json (speculators.export reads the weights)."""
+        cfg = Eagle3Config(ttt_steps=config["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+                           draft_vocab_size=config["draft_vocab_size"],
+                           norm_before_residual=config["norm_before_residual"])
+        return cls(cfg, layer_cfg, config["eagle_aux_hidden_state_layer_ids"], config["target_hidden_size"])
+
+    def speculators_extra_config(self) -> dict:
+        return {}
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.cfg.ttt_steps
+
+    @property
+    def target_hidden_size(self) -> int:
+        return self.fc.in_features // len(self.layer_ids)
 
     @property
     def draft_to_target(self) -> torch.Tensor:

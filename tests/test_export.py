@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from speculators import draft_vocab, export
 from speculators.config import UserError
+from speculators.export import Verifier
 
 
 def trained_a_little(drafter, target, ids, steps=3):
@@ -28,12 +29,12 @@ def trained_a_little(drafter, target, ids, steps=3):
 def test_save_load_round_trip(target, make_drafter, text_batch, tmp_path, norm_before_residual):
     drafter = trained_a_little(make_drafter(target, ttt_steps=4, norm_before_residual=norm_before_residual),
                                target, text_batch)
-    out_dir = export.save(drafter, tmp_path / "export", "org/verifier-model", ["SomeForCausalLM"])
+    out_dir = export.save(drafter, tmp_path / "export", Verifier("org/verifier-model", ["SomeForCausalLM"]))
     assert out_dir == tmp_path / "export"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no partial folder left behind
 
-    loaded, config = export.load(out_dir)
-    assert config == json.loads((out_dir / "config.json").read_text())
+    loaded, verifier = export.load(out_dir)
+    assert verifier == "org/verifier-model"
     original, again = drafter.state_dict(), loaded.state_dict()
     assert set(original) == set(again)
     for name, tensor in original.items():
@@ -57,7 +58,7 @@ def test_save_load_round_trip(target, make_drafter, text_batch, tmp_path, norm_b
 
 def test_config_and_tensors_in_the_export(target, make_drafter, tmp_path):
     drafter = make_drafter(target, ttt_steps=3)
-    out_dir = export.save(drafter, tmp_path / "export", "/models/my-target", export.verifier_architectures(target))
+    out_dir = export.save(drafter, tmp_path / "export", Verifier("/models/my-target", Verifier.of(target).architectures))
     config = json.loads((out_dir / "config.json").read_text())
     V, N = target.vocab_size, DRAFT_VOCAB
 
@@ -92,7 +93,7 @@ def test_config_and_tensors_in_the_export(target, make_drafter, tmp_path):
 
 def test_norm_before_residual_true_is_written(llama_target, make_drafter, tmp_path):
     drafter = make_drafter(llama_target, norm_before_residual=True)
-    config = json.loads((export.save(drafter, tmp_path / "e", "v", ["A"]) / "config.json").read_text())
+    config = json.loads((export.save(drafter, tmp_path / "e", Verifier("v", ["A"])) / "config.json").read_text())
     assert config["norm_before_residual"] is True
 
 
@@ -114,12 +115,12 @@ def broken_maps(drafter):
 
 def test_save_refuses_broken_maps_and_keeps_the_previous_export(llama_target, make_drafter, tmp_path):
     drafter = make_drafter(llama_target)
-    out_dir = export.save(drafter, tmp_path / "export", "v", ["A"])
+    out_dir = export.save(drafter, tmp_path / "export", Verifier("v", ["A"]))
     before = file_bytes(out_dir)
     for label, d2t, t2d in list(broken_maps(drafter)):
         drafter.d2t, drafter.t2d = d2t, t2d
         with pytest.raises(UserError, match="d2t|t2d"):
-            export.save(drafter, out_dir, "v", ["A"])
+            export.save(drafter, out_dir, Verifier("v", ["A"]), overwrite=True)
         assert file_bytes(out_dir) == before, label
         assert sorted(p.name for p in tmp_path.iterdir()) == ["export"], label
 
@@ -130,13 +131,13 @@ def test_save_refuses_a_drafter_never_given_a_vocab(llama_target, make_drafter, 
     built = make_drafter(llama_target)
     bare = Eagle3Drafter(built.cfg, layer_config(llama_target), LAYER_IDS, llama_target.hidden_size)
     with pytest.raises(UserError):
-        export.save(bare, tmp_path / "export", "v", ["A"])
+        export.save(bare, tmp_path / "export", Verifier("v", ["A"]))
     assert not (tmp_path / "export").exists()
 
 
 @pytest.mark.parametrize("damage", ["drop d2t", "drop t2d", "d2t int32", "d2t wrong"])
 def test_load_refuses_exports_with_bad_maps(llama_target, make_drafter, tmp_path, damage):
-    out_dir = export.save(make_drafter(llama_target), tmp_path / "export", "v", ["A"])
+    out_dir = export.save(make_drafter(llama_target), tmp_path / "export", Verifier("v", ["A"]))
     weights = load_file(out_dir / "model.safetensors")
     if damage.startswith("drop"):
         del weights[damage.split()[1]]
@@ -152,7 +153,7 @@ def test_load_refuses_exports_with_bad_maps(llama_target, make_drafter, tmp_path
 def test_load_refuses_other_model_types_and_missing_files(llama_target, make_drafter, tmp_path):
     with pytest.raises(UserError, match="not a drafter export"):
         export.load(tmp_path)
-    out_dir = export.save(make_drafter(llama_target), tmp_path / "export", "v", ["A"])
+    out_dir = export.save(make_drafter(llama_target), tmp_path / "export", Verifier("v", ["A"]))
     config = json.loads((out_dir / "config.json").read_text())
     config["speculators_model_type"] = "medusa"
     (out_dir / "config.json").write_text(json.dumps(config))

@@ -37,8 +37,7 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, config), run_dir, callbacks)
     fit(trainer, module, datamodule, recipe.resume)
 
-    export_dir = export.save(drafter, run_dir / "export", recipe.target.name_or_path,
-                             export.verifier_architectures(target))
+    export_dir = export.save(drafter, run_dir / "export", export.Verifier.of(target), overwrite=True)
     offline = trainer.validate(module, datamodule, verbose=False)[0]
     if trainer.logger:
         trainer.logger.experiment.finish()  # flush W&B before the closing lines, not after them
