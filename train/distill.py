@@ -33,7 +33,7 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     callbacks = []
     if recipe.serve_eval.every_n_steps:
         prompts = [target.tokenizer(text)["input_ids"] for text in report.heldout_prompts(recipe.serve_eval.num_prompts)]
-        callbacks.append(ServeEvalCallback(recipe.serve_eval, target, prompts, drafter_cfg.ttt_steps))
+        callbacks.append(ServeEvalCallback(recipe.serve_eval, target, prompts, drafter.num_speculative_tokens))
     trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, config), run_dir, callbacks)
     fit(trainer, module, datamodule, recipe.resume)
 
@@ -41,14 +41,16 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     offline = trainer.validate(module, datamodule, verbose=False)[0]
     if trainer.logger:
         trainer.logger.experiment.finish()  # flush W&B before the closing lines, not after them
-    report_path = acceptance_report(drafter.eval(), target, offline, drafter_cfg.ttt_steps, run_dir / "acceptance")
+    report_path = acceptance_report(drafter.eval(), target, offline, run_dir / "acceptance")
     print(f"\nexport: {export_dir}\nacceptance report: {report_path}")
 
 
-def acceptance_report(drafter, target, offline: dict, steps: int, out_dir: Path) -> Path:
+def acceptance_report(drafter, target, offline: dict, out_dir: Path) -> Path:
     """Serve the drafter with the bundled engine on held-out prompts: the figures a serving
     engine would see. Beside them, the per-step accuracy of validation (teacher-forced)."""
+    steps = drafter.num_speculative_tokens
     cfg = report.InferenceConfig(drafter=str(out_dir.parent / "export"), num_speculative_tokens=steps)
     result = report.measure(target, drafter, report.heldout_prompts(cfg.num_prompts, cfg.prompt_lines), cfg)
-    result["offline_accuracy_per_step"] = [float(offline[f"val/acc_step{j}"]) for j in range(steps)]
+    result["offline_accuracy_per_step"] = [float(offline[f"val/acc_step{j}"]) for j in range(steps)
+                                           if f"val/acc_step{j}" in offline]
     return report.write(result, out_dir)
