@@ -5,7 +5,8 @@
 Methods, all greedy, on the same held-out prompts, interleaved prompt by prompt within each
 repeat so every method sees the same machine load; figures are medians over repeats:
 - target_only: our decode loop with K=0 (the speed-up baseline);
-- speculative: our EAGLE-3 decoding with K draft tokens;
+- speculative_chain / speculative_tree: our speculative decoding with the given drafter,
+  K-token chains and (for drafters that have one) tree drafts;
 - hf_greedy: transformers' generate (for reference: how fast the stock loop is);
 - hf_prompt_lookup: transformers' prompt-lookup decoding (n-gram drafts from the prompt);
 - hf_assisted: transformers' assisted generation with a small draft model, when one is given.
@@ -34,6 +35,9 @@ class BenchConfig:
     prompt_lines: int = 6
     max_new_tokens: int = 64
     num_speculative_tokens: int = 5
+    modes: list[str] | None = None  # drafting modes to run (chain, tree); None: every mode the drafter has
+    tree_top_k: int = 4  # as in inference.drafting.DraftingConfig
+    tree_total_tokens: int = 16
     prompt_lookup_tokens: int = 10
     repeats: int = 3
     out: str | None = None
@@ -46,10 +50,16 @@ class BenchConfig:
 
 def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
     """name -> function(prompt ids) -> generated ids."""
+    from inference import drafting
     from inference.engine import generate
 
     hf = dict(do_sample=False, max_new_tokens=cfg.max_new_tokens,
               pad_token_id=target.tokenizer.pad_token_id)
+
+    def speculative(mode: str):
+        how = drafting.DraftingConfig(mode, cfg.tree_top_k, cfg.tree_total_tokens)
+        return lambda ids: generate(target, drafter, ids, cfg.max_new_tokens, cfg.num_speculative_tokens,
+                                    drafting=how).tokens
 
     def hf_generate(ids, **extra):
         out = target.model.generate(torch.tensor([ids]), **hf, **extra)
@@ -57,7 +67,7 @@ def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
 
     runs = {
         "target_only": lambda ids: generate(target, None, ids, cfg.max_new_tokens, 0).tokens,
-        "speculative": lambda ids: generate(target, drafter, ids, cfg.max_new_tokens, cfg.num_speculative_tokens).tokens,
+        **{f"speculative_{mode}": speculative(mode) for mode in cfg.modes or drafting.modes(drafter)},
         "hf_greedy": hf_generate,
         "hf_prompt_lookup": lambda ids: hf_generate(ids, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens),
     }

@@ -9,10 +9,12 @@ is distributed exactly as the target alone would sample it. Both rules live once
 kernels.verify (a Triton kernel on GPUs, its torch reference here).
 
 Batch size 1. The target runs in a session (inference.sessions: a preallocated cache for
-Llama-family targets, transformers' DynamicCache otherwise); the drafter keeps a
-preallocated cache (speculators.layers.KVCache). The drafter interface is two calls:
-`fuse(aux_hidden)` -> hidden inputs for verified positions, and `step(cache, tokens, hidden)`
--> (draft-vocab logits, hidden) for positions appended to its cache.
+Llama-family targets, transformers' DynamicCache otherwise). What is drafted, and how, is a
+Proposer's business (inference.drafting): a chain of K tokens, an EAGLE-2 dynamic tree, a
+Medusa candidate tree, a one-pass parallel draft. The loop sees only a Draft (nodes and
+parent links), verifies all of it in one target pass (tree attention when it is a tree),
+keeps the accepted root-to-leaf path in the target's cache and hands the accepted tokens
+with their target features back to the proposer.
 """
 
 import time
@@ -21,9 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
+from inference.drafting import Draft, DraftingConfig, make_proposer
 from inference.sessions import open_session
 from speculators.config import UserError
-from speculators.target import FrozenTarget
+from speculators.target import FrozenTarget, TargetOutput
 
 
 @dataclass
@@ -44,9 +47,9 @@ class Stats:
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.k
 
-    def record(self, accepted: int) -> None:
+    def record(self, accepted: int, proposed: int) -> None:
         self.num_drafts += 1
-        self.num_draft_tokens += self.k
+        self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
         for i in range(accepted):
             self.accepted_at[i] += 1
@@ -103,16 +106,21 @@ def check_pair(target: FrozenTarget, drafter) -> None:
 
 @torch.no_grad()
 def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: int, k: int = 5,
-             temperature: float = 0.0, seed: int = 0) -> Generation:
-    """Decode up to max_new_tokens after `prompt`; k=0 (or no drafter) is plain target decoding."""
+             temperature: float = 0.0, seed: int = 0, drafting: DraftingConfig | None = None) -> Generation:
+    """Decode up to max_new_tokens after `prompt`; k=0 (or no drafter) is plain target decoding.
+    `drafting` picks chain (the default) or tree drafts (greedy only)."""
+    drafting = drafting or DraftingConfig()
     limit = target.config.max_position_embeddings
     if len(prompt) + max_new_tokens + k + 1 > limit:
         raise UserError(f"prompt of {len(prompt)} tokens + {max_new_tokens} new + {k} drafts exceeds the "
                         f"target's context of {limit} positions")
+    if drafting.mode == "tree" and temperature > 0:
+        raise UserError(f"drafting.mode=tree verifies greedily; temperature={temperature} needs drafting.mode=chain")
     k = k if drafter is not None else 0
     generator = torch.Generator().manual_seed(seed)
     eos = target.tokenizer.eos_token_id
-    max_len = len(prompt) + max_new_tokens + k + 1
+    widest = drafting.tree_total_tokens if drafting.mode == "tree" else k  # draft nodes in one verify pass
+    max_len = len(prompt) + max_new_tokens + 1 + (widest if k else 0)
     stats, session = Stats(k), open_session(target, max_len)
     started = time.perf_counter()
     out = session(torch.tensor([prompt]))
@@ -120,10 +128,8 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
     stats.target_forwards, stats.ttft_s = 1, time.perf_counter() - started
     tokens = [token]
     if k:
-        to_target = drafter.draft_to_target  # draft id -> target id, once per generation
-        draft_cache = drafter.new_cache(1, max_len)
-        draft_logits, hidden = drafter.step(draft_cache, torch.tensor([prompt[1:] + [token]]),
-                                            drafter.fuse(out.aux_hidden))
+        proposer = make_proposer(drafter, k, target.vocab_size, max_len, drafting)
+        proposer.prefill(prompt, token, out)
     while len(tokens) < max_new_tokens and token != eos:
         if not k:
             out = session(torch.tensor([[token]]))
@@ -131,48 +137,65 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
             tokens.append(token)
             stats.target_forwards += 1
             continue
-        # Draft: a chain of k tokens, each step appended to the drafter's cache, then undone.
-        drafting = time.perf_counter()
-        verified, drafts, draft_probs = draft_cache.length, [], []
-        for i in range(k):
-            if i:
-                draft_logits, hidden = drafter.step(draft_cache, torch.tensor([[drafts[-1]]]), hidden[:, -1:])
-            if temperature == 0:
-                drafts.append(int(to_target[draft_logits[0, -1].argmax()]))
-            else:
-                q = draft_distribution(to_target, target.vocab_size, draft_logits[0, -1], temperature)
-                drafts.append(int(torch.multinomial(q, 1, generator=generator)))
-                draft_probs.append(q)
-        draft_cache.crop(verified)
-        # Verify: one target pass over the last emitted token and the k drafts.
+        drafting_started = time.perf_counter()
+        draft = proposer.propose(temperature, generator)
+        # Verify: one target pass over the last emitted token (the root) and every draft node.
         verifying = time.perf_counter()
-        out = session(torch.tensor([[token, *drafts]]))
+        start = session.length
+        out = target_pass(session, token, draft)
         stats.verify_s += time.perf_counter() - verifying
         stats.target_forwards += 1
-        logits = out.logits[0]
-        if temperature == 0:
-            accepted, token = verify_greedy(drafts, logits)
-        else:
-            accepted, token = verify_sampling(drafts, torch.stack(draft_probs), logits, temperature, generator)
-        stats.record(accepted)
-        session.crop(session.length - (k - accepted))  # forget the rejected drafts
-        new = drafts[:accepted] + [token]
+        path, token = verify(draft, out.logits[0], temperature, generator)
+        stats.record(len(path), len(draft.tokens))
+        rows = [0] + [node + 1 for node in path]  # the root and the accepted nodes
+        session.keep(start, rows)  # forget the rejected drafts
+        new = [draft.tokens[node] for node in path] + [token]
         tokens += new
-        # The drafter reads the target's features of the accepted positions and proposes the next chain.
+        # The drafter reads the target's features of the accepted positions and proposes the next draft.
         reading = time.perf_counter()
-        draft_logits, hidden = drafter.step(draft_cache, torch.tensor([new]),
-                                            drafter.fuse([h[:, : accepted + 1] for h in out.aux_hidden]))
-        stats.draft_s += (verifying - drafting) + (time.perf_counter() - reading)
+        proposer.accept(new, select_rows(out, rows))
+        stats.draft_s += (verifying - drafting_started) + (time.perf_counter() - reading)
     stats.decode_s = time.perf_counter() - started - stats.ttft_s
     return Generation(truncate(tokens, max_new_tokens, eos), stats)
 
 
-def draft_distribution(to_target: torch.Tensor, vocab_size: int, draft_logits: torch.Tensor,
-                       temperature: float) -> torch.Tensor:
-    """q over the target vocabulary: the drafter's tempered softmax, zero outside the draft vocab."""
-    q = torch.zeros(vocab_size)
-    q[to_target] = torch.softmax(draft_logits / temperature, -1)
-    return q
+def target_pass(session, root: int, draft: Draft):
+    """The target over [root, *draft]: causal for a chain, tree attention with depth positions for a tree."""
+    tokens = torch.tensor([[root, *draft.tokens]])
+    if draft.is_chain:
+        return session(tokens)
+    return session(tokens, tree=draft.tree_mask(), depths=torch.tensor([0, *draft.depths()]))
+
+
+def verify(draft: Draft, logits: torch.Tensor, temperature: float, generator: torch.Generator) -> tuple[list[int], int]:
+    """(accepted nodes root to leaf, the next token) from the target logits [1 + n, V] of the pass."""
+    if draft.is_chain:
+        if temperature == 0:
+            accepted, token = verify_greedy(draft.tokens, logits)
+        else:
+            accepted, token = verify_sampling(draft.tokens, draft.probs, logits, temperature, generator)
+        return list(range(accepted)), token
+    return verify_tree_greedy(draft, logits)
+
+
+def verify_tree_greedy(draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Walk down from the root, at each node following the child equal to the target's argmax
+    there; the argmax at the last accepted node is the bonus token."""
+    argmax = logits.argmax(-1).tolist()
+    children: dict[int, dict[int, int]] = {}
+    for node, parent in enumerate(draft.parents):
+        children.setdefault(parent, {}).setdefault(draft.tokens[node], node)
+    path, node = [], -1
+    while (child := children.get(node, {}).get(argmax[node + 1])) is not None:
+        path.append(child)
+        node = child
+    return path, argmax[node + 1]
+
+
+def select_rows(out: TargetOutput, rows: list[int]) -> TargetOutput:
+    index = torch.tensor(rows)
+    return TargetOutput(aux_hidden=[h[:, index] for h in out.aux_hidden], last_hidden=out.last_hidden[:, index],
+                        logits=out.logits[:, index])
 
 
 def truncate(tokens: list[int], max_new_tokens: int, eos: int | None) -> list[int]:

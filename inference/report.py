@@ -9,11 +9,12 @@ import json
 import platform
 import resource
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from inference.drafting import DraftingConfig
 from inference.engine import Stats, check_pair, generate
 from speculators import corpus
 from speculators.config import UserError, at_least
@@ -28,7 +29,8 @@ class InferenceConfig:
     prompt_lines: int = 6
     max_new_tokens: int = 64
     temperature: float = 0.0
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int = 5  # chain length; tree depth with drafting.mode=tree
+    drafting: DraftingConfig = field(default_factory=DraftingConfig)
     seed: int = 0
     out: str | None = None  # None: the Hydra run directory
 
@@ -75,7 +77,7 @@ def measure(target, drafter, prompts: list[str], cfg: InferenceConfig) -> dict:
     for i, text in enumerate(prompts):
         ids = target.tokenizer(text)["input_ids"]
         base = generate(target, None, ids, cfg.max_new_tokens, 0, cfg.temperature, cfg.seed + i)
-        spec = generate(target, drafter, ids, cfg.max_new_tokens, k, cfg.temperature, cfg.seed + i)
+        spec = generate(target, drafter, ids, cfg.max_new_tokens, k, cfg.temperature, cfg.seed + i, cfg.drafting)
         base_total.add(base.stats)
         spec_total.add(spec.stats)
         rows.append({"prompt": text, "prompt_ids": ids, "output_ids": spec.tokens,

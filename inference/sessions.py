@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from speculators.config import UserError
 from speculators.target import FrozenTarget, TargetOutput
 
 STATIC_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
@@ -21,9 +22,16 @@ class HFSession:
     def __init__(self, target: FrozenTarget):
         self.target, self.cache, self.length = target, DynamicCache(), 0
 
-    def __call__(self, tokens: torch.Tensor) -> TargetOutput:
+    def __call__(self, tokens: torch.Tensor, tree: torch.Tensor | None = None,
+                 depths: torch.Tensor | None = None) -> TargetOutput:
+        if tree is not None:
+            raise UserError(f"tree drafts need a Llama-family target ({', '.join(sorted(STATIC_MODEL_TYPES))}) "
+                            f"without a sliding window; use drafting.mode=chain")
         self.length += tokens.shape[1]
         return self.target(tokens, cache=self.cache)
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        self.crop(start + len(rows))  # chains only: the accepted rows are a prefix
 
     def crop(self, length: int) -> None:
         if length < self.length:
@@ -45,13 +53,21 @@ class StaticSession:
         self.cos, self.sin = cos[:, None], sin[:, None]  # [1, 1, max_len, head_dim]
 
     @torch.no_grad()
-    def __call__(self, tokens: torch.Tensor) -> TargetOutput:
+    def __call__(self, tokens: torch.Tensor, tree: torch.Tensor | None = None,
+                 depths: torch.Tensor | None = None) -> TargetOutput:
+        """Run `tokens` [1, m] after the cache. A tree draft passes `tree` [m, m] (row i sees
+        itself and its ancestors, inference.drafting.Draft.tree_mask) and `depths` [m]
+        (rotary positions start + depth); the default is a causal chain."""
         model, start = self.target.model.model, self.length
         end = start + tokens.shape[1]
         if end > self.k.shape[3]:
             raise ValueError(f"the session's cache holds {self.k.shape[3]} positions; {end} needed")
-        cos, sin = self.cos[:, :, start:end], self.sin[:, :, start:end]
-        visible = torch.arange(end, device=tokens.device)[None] <= torch.arange(start, end, device=tokens.device)[:, None]
+        if tree is None:
+            cos, sin = self.cos[:, :, start:end], self.sin[:, :, start:end]
+            visible = torch.arange(end, device=tokens.device)[None] <= torch.arange(start, end, device=tokens.device)[:, None]
+        else:
+            cos, sin = self.cos[:, :, start + depths], self.sin[:, :, start + depths]
+            visible = torch.cat([torch.ones(len(tree), start, dtype=torch.bool, device=tokens.device), tree], dim=1)
         x, aux = model.embed_tokens(tokens), {}
         for i, layer in enumerate(self.layers):
             aux[i] = x  # hidden_states[i]: the residual stream entering layer i
@@ -79,6 +95,15 @@ class StaticSession:
 
     def crop(self, length: int) -> None:
         self.length = length
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """After a tree pass that began at `start`: keep the cache rows start + rows (the
+        accepted root-to-leaf path), moved to start, start + 1, ...; drop the rest."""
+        if rows != list(range(len(rows))):
+            index = torch.tensor(rows, device=self.k.device) + start
+            self.k[:, :, :, start : start + len(rows)] = self.k[:, :, :, index]
+            self.v[:, :, :, start : start + len(rows)] = self.v[:, :, :, index]
+        self.length = start + len(rows)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -118,6 +118,7 @@ class Eagle3Drafter(nn.Module):
     config_class = Eagle3Config
     export_format = "speculators"
     speculators_model_type = "eagle3"
+    drafting_kind = "autoregressive"  # served one step per draft token (inference.drafting)
 
     def __init__(self, cfg: Eagle3Config, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
         super().__init__()
@@ -219,20 +220,29 @@ class Eagle3Drafter(nn.Module):
         c = self.layer_cfg
         return KVCache(batch, c.num_attention_heads, max_len, c.head_dim, device)
 
+    def features(self, target_out: TargetOutput) -> torch.Tensor:
+        """Hidden inputs of verified positions: the fused low/mid/high target features."""
+        return self.fuse(target_out.aux_hidden)
+
     @torch.no_grad()
-    def step(self, cache: KVCache, tokens: torch.Tensor, hidden: torch.Tensor):
+    def step(self, cache: KVCache, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None,
+             visible: torch.Tensor | None = None):
         """Serve m positions appended after `cache`: tokens [B, m] and hidden inputs [B, m, H],
-        which are fused target features (`fuse`) for verified positions, or the drafter's own
-        previous output while it drafts a chain. Returns draft-vocab logits and output hidden
-        states. Drafting a chain appends one position per step; `cache.crop` undoes it.
+        which are `features` for verified positions, or the drafter's own previous output while
+        it drafts. Returns draft-vocab logits and output hidden states. Positions default to
+        the next m and attention to causal; a tree draft passes its nodes' depths as positions
+        and `visible` [m, cache.length + m] (context and own ancestors). `cache.crop` undoes it.
         """
         layer, start, m = self.layers[0], cache.length, tokens.shape[1]
-        positions = torch.arange(start, start + m, device=tokens.device)
-        cos, sin = (table[start : start + m] for table in self.rotary_table(start + m))
+        if positions is None:
+            cos, sin = (table[start : start + m] for table in self.rotary_table(start + m))
+            visible = torch.arange(start + m, device=tokens.device)[None, :] <= torch.arange(
+                start, start + m, device=tokens.device)[:, None]
+        else:
+            cos, sin = (table[positions] for table in self.rotary_table(int(positions.max()) + 1))
         residual, x = layer.attention_input(self.embed_tokens(tokens), hidden)
         q, k, v = layer.self_attn.qkv(x, cos, sin)
         keys, values = cache.append(k, v)
-        visible = torch.arange(start + m, device=tokens.device)[None, :] <= positions[:, None]  # causal
         hidden = layer.finish(residual, F.scaled_dot_product_attention(q, keys, values, attn_mask=visible))
         return self.logits(hidden), hidden
 

@@ -149,7 +149,7 @@ class OracleDrafter:
         H, V = target.hidden_size, target.vocab_size
         self.seq, self.wrong, self.vocab_size = seq, wrong, V
         self.layer_ids = list(target.layer_ids)
-        self.fc = nn.Linear(len(self.layer_ids) * H, H, bias=False)  # only read by check_pair
+        self.target_hidden_size = H  # read by check_pair
         self.lm_head = nn.Linear(H, V, bias=False)
         self.d2t = torch.zeros(V, dtype=torch.long)
         self.t2d = torch.ones(V, dtype=torch.bool)
@@ -164,8 +164,8 @@ class OracleDrafter:
         self.caches.append(OracleCache(max_len))
         return self.caches[-1]
 
-    def fuse(self, aux_hidden: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(aux_hidden, dim=-1)
+    def features(self, target_out) -> torch.Tensor:
+        return torch.cat(target_out.aux_hidden, dim=-1)
 
     def proposal(self, s: int) -> int:
         right = self.seq[s + 2] if s + 2 < len(self.seq) else 0

@@ -1,0 +1,197 @@
+"""Draft proposers: how a drafter proposes the tokens the target verifies in its next pass.
+
+A proposal is a `Draft`: nodes with target-vocab tokens and parent links. A chain of K
+tokens is the tree whose parents are [-1, 0, ..., K-2] (-1 is the root: the last emitted
+token). The engine verifies any Draft in one target pass with tree attention (a chain's
+tree mask is the causal mask), so a new way of drafting is a new Proposer, nothing else.
+
+A Proposer lives for one generation and holds the drafter's cache:
+- `prefill(prompt, token, target_out)`: read the prompt's target features; `token` is the
+  first emitted token;
+- `propose(temperature, generator) -> Draft`;
+- `accept(new_tokens, target_out)`: the accepted drafts and the bonus token, with the verify
+  pass's features of the positions before each of them.
+
+The table PROPOSERS maps (drafter.drafting_kind, mode) to a proposer class.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from speculators.config import UserError, at_least, one_of
+from speculators.target import TargetOutput
+
+
+@dataclass
+class DraftingConfig:
+    mode: str = "chain"  # chain: K tokens in a row; tree: EAGLE-2 dynamic tree / Medusa candidate tree (greedy only)
+    tree_top_k: int = 4  # EAGLE-2: children expanded per node, and frontier width per depth
+    tree_total_tokens: int = 16  # EAGLE-2: nodes kept (verified) after reranking by cumulative log-probability
+
+    def __post_init__(self):
+        one_of("drafting.mode", self.mode, ("chain", "tree"))
+        at_least(1, drafting__tree_top_k=self.tree_top_k, drafting__tree_total_tokens=self.tree_total_tokens)
+
+
+@dataclass
+class Draft:
+    tokens: list[int]  # target-vocab ids, parents before children
+    parents: list[int]  # index of each node's parent in `tokens`; -1 = the root
+    probs: torch.Tensor | None = None  # [n, V] draft distribution q per node (chain sampling only)
+
+    @classmethod
+    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> "Draft":
+        return cls(tokens, list(range(-1, len(tokens) - 1)), probs)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self.tokens) - 1))
+
+    def depths(self) -> list[int]:
+        """Depth of each node: 1 for the root's children."""
+        depth = []
+        for parent in self.parents:
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+        return depth
+
+    def tree_mask(self) -> torch.Tensor:
+        """[n+1, n+1] bool over [root, *nodes]: row i sees itself and its ancestors."""
+        n = len(self.tokens)
+        mask = torch.eye(n + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, parent in enumerate(self.parents):
+            if parent >= 0:
+                mask[i + 1] |= mask[parent + 1]
+        return mask
+
+
+def draft_distribution(to_target: torch.Tensor, vocab_size: int, draft_logits: torch.Tensor,
+                       temperature: float) -> torch.Tensor:
+    """q over the target vocabulary: the drafter's tempered softmax, zero outside the draft vocab."""
+    q = torch.zeros(vocab_size)
+    q[to_target] = torch.softmax(draft_logits / temperature, -1)
+    return q
+
+
+class ChainProposer:
+    """EAGLE-1/3 chains: K drafter steps, each feeding its output hidden state to the next.
+    Drafter cache position t holds (token t+1, features of position t); the drafted steps
+    are appended and then cropped, so the cache only ever keeps verified positions."""
+
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
+        self.drafter, self.k, self.vocab_size = drafter, k, vocab_size
+        self.to_target = drafter.draft_to_target  # draft id -> target id, once per generation
+        self.cache = drafter.new_cache(1, max_len)
+
+    def prefill(self, prompt: list[int], token: int, target_out: TargetOutput) -> None:
+        self.accept(prompt[1:] + [token], target_out)
+
+    def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
+        self.logits, self.hidden = self.drafter.step(self.cache, torch.tensor([new_tokens]),
+                                                     self.drafter.features(target_out))
+
+    def propose(self, temperature: float, generator: torch.Generator) -> Draft:
+        verified, tokens, probs = self.cache.length, [], []
+        logits, hidden = self.logits, self.hidden
+        for i in range(self.k):
+            if i:
+                logits, hidden = self.drafter.step(self.cache, torch.tensor([tokens[-1:]]), hidden[:, -1:])
+            if temperature == 0:
+                tokens.append(int(self.to_target[logits[0, -1].argmax()]))
+            else:
+                q = draft_distribution(self.to_target, self.vocab_size, logits[0, -1], temperature)
+                tokens.append(int(torch.multinomial(q, 1, generator=generator)))
+                probs.append(q)
+        self.cache.crop(verified)
+        return Draft.chain(tokens, torch.stack(probs) if probs else None)
+
+
+class DynamicTreeProposer(ChainProposer):
+    """EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv:2406.16858), greedy verification.
+
+    Depth by depth, the `top_k` frontier nodes with the highest cumulative log-probability
+    are run through the drafter together (tree attention over its cache: each sees the
+    verified context and its own ancestors) and each proposes its `top_k` best children.
+    After K depths every generated node is reranked by cumulative log-probability and the
+    best `total_tokens` form the draft. A child never outranks its parent (log-probs are
+    <= 0), so the kept set is a tree.
+    """
+
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
+        super().__init__(drafter, k, vocab_size, max_len, drafting)
+        self.top_k, self.total_tokens = drafting.tree_top_k, drafting.tree_total_tokens
+
+    def propose(self, temperature: float, generator: torch.Generator) -> Draft:
+        verified = self.cache.length
+        tokens, parents, scores, depths = [], [], [], []  # every generated node
+
+        def add_children(parent: int, score: float, depth: int, logits: torch.Tensor) -> list[int]:
+            best = torch.log_softmax(logits, -1).topk(self.top_k)
+            for logp, draft_id in zip(best.values.tolist(), best.indices.tolist()):
+                tokens.append(int(self.to_target[draft_id]))
+                parents.append(parent)
+                scores.append(score + logp)
+                depths.append(depth)
+            return list(range(len(tokens) - self.top_k, len(tokens)))
+
+        candidates = add_children(-1, 0.0, 1, self.logits[0, -1])
+        parent_hidden = {-1: self.hidden[0, -1]}  # output hidden of each node run through the drafter
+        slot = {}  # node -> drafter cache slot, for the nodes run through the drafter
+        for depth in range(1, self.k):
+            frontier = sorted(candidates, key=lambda n: -scores[n])[: self.top_k]
+            slot |= {n: len(slot) + i for i, n in enumerate(frontier)}
+            logits, hidden = self.drafter.step(
+                self.cache, torch.tensor([[tokens[n] for n in frontier]]),
+                torch.stack([parent_hidden[parents[n]] for n in frontier])[None],
+                positions=torch.full((len(frontier),), verified + depth - 1),
+                visible=self.visibility(verified, frontier, parents, slot))
+            candidates = []
+            for i, n in enumerate(frontier):
+                parent_hidden[n] = hidden[0, i]
+                candidates += add_children(n, scores[n], depth + 1, logits[0, i])
+        self.cache.crop(verified)
+        return self.rerank(tokens, parents, scores, depths)
+
+    def visibility(self, verified: int, frontier: list[int], parents: list[int], slot: dict) -> torch.Tensor:
+        """[f, verified + drafted slots] bool: the verified context, then each node's own ancestors and itself."""
+        visible = torch.zeros(len(frontier), verified + len(slot), dtype=torch.bool)
+        visible[:, :verified] = True
+        for row, n in enumerate(frontier):
+            while n >= 0:
+                visible[row, verified + slot[n]] = True
+                n = parents[n]
+        return visible
+
+    def rerank(self, tokens, parents, scores, depths) -> Draft:
+        """The best `total_tokens` nodes, parents before children, re-indexed."""
+        order = sorted(range(len(tokens)), key=lambda n: (-scores[n], depths[n]))
+        kept: dict[int, int] = {}  # old index -> new index
+        for n in order:
+            if len(kept) == self.total_tokens:
+                break
+            if parents[n] < 0 or parents[n] in kept:
+                kept[n] = len(kept)
+        nodes = sorted(kept, key=lambda n: (depths[n], kept[n]))
+        new_index = {n: i for i, n in enumerate(nodes)}
+        return Draft([tokens[n] for n in nodes], [new_index[parents[n]] if parents[n] >= 0 else -1 for n in nodes])
+
+
+PROPOSERS = {
+    ("autoregressive", "chain"): ChainProposer,
+    ("autoregressive", "tree"): DynamicTreeProposer,
+}
+
+
+def modes(drafter) -> list[str]:
+    """The drafting modes a drafter can be served with."""
+    kind = getattr(drafter, "drafting_kind", "autoregressive")
+    return sorted(mode for (family_kind, mode) in PROPOSERS if family_kind == kind)
+
+
+def make_proposer(drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
+    if drafting.mode not in modes(drafter):
+        raise UserError(f"drafting.mode={drafting.mode!r} is not available for a {type(drafter).__name__}; "
+                        f"allowed: {', '.join(modes(drafter))}")
+    kind = getattr(drafter, "drafting_kind", "autoregressive")
+    return PROPOSERS[kind, drafting.mode](drafter, k, vocab_size, max_len, drafting)
