@@ -10,6 +10,12 @@ intact), no silent overwrite, and refusing corrupt or truncated files.
   layers.N.*, norm, lm_head, embed_tokens) plus the draft-vocab maps d2t (int64 [N]) and
   t2d (bool [V]). An export without valid maps is refused: it would load in vLLM and accept
   almost nothing.
+- eagle (SafeAILab/EAGLE, EAGLE-1): config.json is the Llama config of the one-layer draft,
+  as EAGLE's own exports (architectures LlamaForCausalLM; `bias` for fc), plus the base
+  model and the chain length. Weights: fc.{weight,bias}, layers.0.* (no input_layernorm),
+  embed_tokens.weight, and lm_head.weight: the target's, stored so that an export loads and
+  serves without the target's files (EAGLE itself loads non-strictly and uses the base
+  model's lm_head).
 """
 
 import json
@@ -25,6 +31,7 @@ from transformers import LlamaConfig
 
 from speculators import draft_vocab
 from speculators.config import UserError
+from speculators.layers import rope_theta
 
 SPECULATORS_VERSION = "0.3.0"
 SPECULATORS_ARCHITECTURES = {"eagle3": "Eagle3DraftModel"}
@@ -91,6 +98,34 @@ def read_speculators(config: dict, weights: dict):
     return FAMILIES[kind].from_speculators_config(config, layer_cfg)
 
 
+# Keys of an EAGLE config.json that are not fields of the draft layer's LlamaConfig.
+EAGLE_FORMAT_KEYS = ("architectures", "model_type", "bias", "torch_dtype", "base_model_name_or_path",
+                     "num_speculative_tokens")
+
+
+def write_eagle(drafter, verifier: Verifier) -> tuple[dict, dict]:
+    config = drafter.layer_cfg.to_dict() | {
+        "architectures": ["LlamaForCausalLM"],  # as EAGLE's exports; engines pick their EAGLE model by flag
+        "model_type": "llama",
+        "num_hidden_layers": len(drafter.layers),
+        "vocab_size": len(drafter.t2d),
+        "rope_theta": rope_theta(drafter.layer_cfg),  # EAGLE's config class reads it here, not in rope_parameters
+        "bias": True,  # fc has a bias (EAGLE's loader reads this key)
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "base_model_name_or_path": verifier.name_or_path,
+        "num_speculative_tokens": drafter.num_speculative_tokens,
+    }
+    return config, drafter.state_dict()
+
+
+def read_eagle(config: dict, weights: dict):
+    from speculators.eagle import EagleConfig, EagleDrafter
+
+    layer_cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in EAGLE_FORMAT_KEYS})
+    return EagleDrafter(EagleConfig(num_speculative_tokens=config["num_speculative_tokens"]), layer_cfg)
+
+
 class Format(NamedTuple):
     write: Callable  # (drafter, Verifier) -> (config, weights)
     read: Callable  # (config, weights) -> an empty drafter shaped by config
@@ -101,6 +136,7 @@ class Format(NamedTuple):
 FORMATS = {
     "speculators": Format(write_speculators, read_speculators,
                           lambda config: config["speculators_config"]["verifier"]["name_or_path"]),
+    "eagle": Format(write_eagle, read_eagle, lambda config: config["base_model_name_or_path"]),
 }
 
 
@@ -108,11 +144,16 @@ def format_of(config: dict) -> str | None:
     """Which format wrote this config.json."""
     if "speculators_model_type" in config:
         return "speculators"
+    # EAGLE-1: the plain one-layer Llama config EAGLE writes, naming its base model as ours do.
+    if (config.get("architectures") == ["LlamaForCausalLM"] and config.get("num_hidden_layers") == 1
+            and "base_model_name_or_path" in config):
+        return "eagle"
     return None
 
 
-def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False) -> Path:
-    """Write the export into a sibling temporary folder, then move it in place whole."""
+def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, training: dict | None = None) -> Path:
+    """Write the export into a sibling temporary folder, then move it in place whole. `training`
+    (steps, tokens seen, ...) goes to training.json beside the weights: serving engines ignore it."""
     config, weights = FORMATS[drafter.export_format].write(drafter, verifier)  # validates before anything is written
     out_dir = Path(out_dir)
     check_writable(out_dir, overwrite)
@@ -122,6 +163,8 @@ def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False) ->
     save_file({name: t.detach().cpu().contiguous() for name, t in weights.items()}, partial / "model.safetensors")
     (partial / "model.safetensors").chmod(0o644)  # safetensors writes 0600; serving often runs as another user
     (partial / "config.json").write_text(json.dumps(config, indent=2))
+    if training is not None:
+        (partial / "training.json").write_text(json.dumps(training, indent=2))
     if out_dir.exists():
         shutil.rmtree(out_dir)
     partial.rename(out_dir)
@@ -146,6 +189,12 @@ def load(path: Path) -> tuple[torch.nn.Module, str]:
     if missing or unexpected:
         raise UserError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
     return drafter, FORMATS[fmt].verifier(config)
+
+
+def training_record(path: Path) -> dict | None:
+    """training.json of an export written by this project (None for exports from elsewhere)."""
+    record = Path(path) / "training.json"
+    return json.loads(record.read_text()) if record.is_file() else None
 
 
 def read_files(path: Path) -> tuple[dict, dict]:

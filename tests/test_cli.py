@@ -47,6 +47,9 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
     assert int(t2d.sum()) == DRAFT
     assert torch.equal(torch.arange(DRAFT) + d2t, torch.nonzero(t2d).flatten())
 
+    training = json.loads((export_dir / "training.json").read_text())  # the budget comparisons state
+    assert training["family"] == "eagle3" and training["steps"] == 3 and training["tokens_seen"] == 3 * 2 * 64
+
     report = json.loads((run_dir / "acceptance" / "report.json").read_text())
     for curve in (report["acceptance_rate_per_position"], report["offline_accuracy_per_step"]):
         assert len(curve) == 3 and all(0.0 <= a <= 1.0 for a in curve)

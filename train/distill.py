@@ -37,12 +37,21 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, config), run_dir, callbacks)
     fit(trainer, module, datamodule, recipe.resume)
 
-    export_dir = export.save(drafter, run_dir / "export", export.Verifier.of(target), overwrite=True)
+    export_dir = export.save(drafter, run_dir / "export", export.Verifier.of(target), overwrite=True,
+                             training=training_record(recipe, trainer))
     offline = trainer.validate(module, datamodule, verbose=False)[0]
     if trainer.logger:
         trainer.logger.experiment.finish()  # flush W&B before the closing lines, not after them
     report_path = acceptance_report(drafter.eval(), target, offline, run_dir / "acceptance")
     print(f"\nexport: {export_dir}\nacceptance report: {report_path}")
+
+
+def training_record(recipe: DrafterRecipe, trainer) -> dict:
+    """What the drafter was trained on, so comparisons can state their budgets."""
+    sequences = recipe.data.batch_size * recipe.trainer.accumulate_grad_batches * trainer.world_size
+    return {"family": recipe.drafter.get("family"), "steps": trainer.global_step,
+            "tokens_seen": trainer.global_step * sequences * recipe.data.seq_len,
+            "target": recipe.target.name_or_path, "quant": asdict(recipe.quant), "seed": recipe.seed}
 
 
 def acceptance_report(drafter, target, offline: dict, out_dir: Path) -> Path:

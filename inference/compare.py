@@ -1,0 +1,185 @@
+"""Compare drafters: several exports, one target, the same prompts and K; one table, one plot.
+
+    python -m inference.compare drafters=[runs/a/export,runs/b/export,...] [modes=[chain,tree]] [out=DIR]
+
+Trains nothing. Every drafter (and each drafting mode it has, among `modes`) decodes the
+same held-out prompts greedily with K = num_speculative_tokens, interleaved with target-only
+decoding prompt by prompt, for `repeats` rounds; tokens/s is the median over rounds. Per row:
+tau and the acceptance rate per position (vLLM's definitions), tokens/s, speed-up, where the
+time goes, whether outputs equal target-only greedy, and the drafter's training budget from
+its training.json (steps, tokens seen). Writes <out>/compare.json, compare.md, compare.png.
+"""
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from inference.drafting import DraftingConfig
+from speculators.config import UserError, at_least, exit_on_user_error, run_cli, to_dataclass
+
+
+@dataclass
+class CompareConfig:
+    drafters: list[str] = field(default_factory=list)  # export folders, all for the same target
+    target: str | None = None  # None: the verifier the first drafter's config names
+    modes: list[str] = field(default_factory=lambda: ["chain"])  # drafting modes; each drafter runs those it has
+    num_prompts: int = 8
+    prompt_lines: int = 6
+    max_new_tokens: int = 64
+    num_speculative_tokens: int = 5
+    tree_top_k: int = 4  # as in inference.drafting.DraftingConfig
+    tree_total_tokens: int = 16
+    repeats: int = 3
+    out: str | None = None  # None: the Hydra run directory
+
+    def __post_init__(self):
+        if not self.drafters:
+            raise UserError("drafters=[...]: give at least one export folder")
+        for mode in self.modes:
+            DraftingConfig(mode, self.tree_top_k, self.tree_total_tokens)  # validates each
+        at_least(1, num_prompts=self.num_prompts, prompt_lines=self.prompt_lines, max_new_tokens=self.max_new_tokens,
+                 num_speculative_tokens=self.num_speculative_tokens, repeats=self.repeats)
+
+
+@dataclass
+class Method:
+    name: str
+    drafter: object | None
+    drafting: DraftingConfig
+    training: dict | None = None
+    seconds: list[float] = field(default_factory=list)  # per round
+    tokens: list[int] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)  # first round
+    stats: object = None  # engine.Stats summed over the first round's prompts
+
+
+def methods(drafters: list[tuple[str, object, dict | None]], cfg: CompareConfig) -> list[Method]:
+    """Target-only first (the speed-up baseline), then every drafter in every mode it has."""
+    from inference.drafting import modes
+
+    rows = [Method("target_only", None, DraftingConfig())]
+    for path, drafter, training in drafters:
+        label = (training or {}).get("family") or Path(path).parent.name or Path(path).name
+        for mode in cfg.modes:
+            if mode in modes(drafter):
+                rows.append(Method(f"{label} ({mode})", drafter, DraftingConfig(mode, cfg.tree_top_k,
+                                                                                cfg.tree_total_tokens), training))
+    return rows
+
+
+def run(target, rows: list[Method], prompts: list[list[int]], cfg: CompareConfig) -> None:
+    from inference.engine import Stats, check_pair, generate
+
+    for row in rows[1:]:
+        check_pair(target, row.drafter)
+    for round_ in range(cfg.repeats):
+        for row in rows:
+            row.seconds.append(0.0)
+            row.tokens.append(0)
+        for ids in prompts:
+            for row in rows:  # interleaved: every method on this prompt, then the next prompt
+                k = cfg.num_speculative_tokens if row.drafter is not None else 0
+                started = time.perf_counter()
+                out = generate(target, row.drafter, ids, cfg.max_new_tokens, k, drafting=row.drafting)
+                row.seconds[-1] += time.perf_counter() - started
+                row.tokens[-1] += len(out.tokens)
+                if round_ == 0:
+                    row.outputs.append(out.tokens)
+                    row.stats = row.stats or Stats(k)
+                    row.stats.add(out.stats)
+
+
+def summary(rows: list[Method]) -> list[dict]:
+    base = statistics.median(t / s for t, s in zip(rows[0].tokens, rows[0].seconds))
+    table = []
+    for row in rows:
+        speed = statistics.median(t / s for t, s in zip(row.tokens, row.seconds))
+        drafts = max(row.stats.num_drafts, 1)
+        table.append({
+            "method": row.name,
+            "drafting": row.drafting.mode if row.drafter is not None else None,
+            "acceptance_length": 1 + row.stats.num_accepted_tokens / drafts if row.drafter is not None else None,
+            "acceptance_rate_per_position": [a / drafts for a in row.stats.accepted_at],
+            "num_drafts": row.stats.num_drafts,
+            "num_draft_tokens": row.stats.num_draft_tokens,
+            "num_accepted_tokens": row.stats.num_accepted_tokens,
+            "tokens_per_second": speed,
+            "speedup": speed / base,
+            "time_split_s": {"draft": row.stats.draft_s, "verify": row.stats.verify_s,
+                             "other": row.stats.decode_s - row.stats.draft_s - row.stats.verify_s},
+            "outputs_match_target_only": row.outputs == rows[0].outputs,
+            "training": row.training,
+        })
+    return table
+
+
+def markdown(table: list[dict]) -> str:
+    lines = ["| drafter | tau | acceptance per position | tokens/s | speed-up | matches | steps | tokens seen |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        tau = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
+        curve = " ".join(f"{a:.2f}" for a in r["acceptance_rate_per_position"]) or "-"
+        training = r["training"] or {}
+        lines.append(f"| {r['method']} | {tau} | {curve} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
+                     f"{'yes' if r['outputs_match_target_only'] else 'NO'} | {training.get('steps', '-')} | "
+                     f"{training.get('tokens_seen', '-')} |")
+    return "\n".join(lines)
+
+
+def plot(table: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in table[1:]:
+        rates = r["acceptance_rate_per_position"]
+        ax.plot(range(1, len(rates) + 1), rates, marker="o",
+                label=f"{r['method']}: tau {r['acceptance_length']:.2f}, {r['speedup']:.2f}x")
+    ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1), title="acceptance per position")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(result: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "compare.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "compare.md").write_text(markdown(result["rows"]) + "\n")
+    plot(result["rows"], out_dir / "compare.png")
+    return out_dir / "compare.json"
+
+
+@hydra.main(config_path="../conf/inference", config_name="compare", version_base="1.3")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    from inference import report
+    from speculators import export
+
+    cfg = to_dataclass(CompareConfig, cfg)
+    first, target = report.load_pair(cfg.drafters[0], cfg.target)
+    drafters = [(cfg.drafters[0], first, export.training_record(cfg.drafters[0]))]
+    for path in cfg.drafters[1:]:
+        drafter, _ = export.load(Path(path))
+        drafters.append((path, drafter.eval(), export.training_record(path)))
+    prompts = [target.tokenizer(t)["input_ids"] for t in report.heldout_prompts(cfg.num_prompts, cfg.prompt_lines)]
+    rows = methods(drafters, cfg)
+    run(target, rows, prompts, cfg)
+    result = {"rows": summary(rows), "target": target.name_or_path, "config": asdict(cfg),
+              "git_revision": report.git_revision(), "machine": report.machine()}
+    path = write(result, Path(cfg.out or HydraConfig.get().runtime.output_dir))
+    print(markdown(result["rows"]))
+    print(f"comparison: {path}")
+
+
+if __name__ == "__main__":
+    run_cli(main)

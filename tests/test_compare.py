@@ -1,0 +1,81 @@
+"""`python -m inference.compare`: several exports, same prompts and K, one table and one plot."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inference import compare, report
+from speculators import export
+from speculators.config import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def exports(llama_target, make_drafter, tmp_path_factory):
+    """Two EAGLE-3 exports of different seeds, each with its training record."""
+    root = tmp_path_factory.mktemp("compare")
+    paths = []
+    for seed in (0, 1):
+        path = export.save(make_drafter(llama_target, seed=seed), root / f"seed{seed}" / "export",
+                           export.Verifier.of(llama_target), training={"family": f"eagle3-seed{seed}", "steps": seed,
+                                                                       "tokens_seen": 100 * seed})
+        paths.append(str(path))
+    return paths
+
+
+def test_rows_per_drafter_and_mode_with_measure_s_figures(llama_target, exports, tokenizer, tmp_path):
+    cfg = compare.CompareConfig(drafters=exports, modes=["chain", "tree"], num_prompts=2, max_new_tokens=12,
+                                num_speculative_tokens=3, repeats=2)
+    drafters = [(p, export.load(Path(p))[0].eval(), export.training_record(p)) for p in exports]
+    prompts = [tokenizer("import os\nimport sys\n")["input_ids"], tokenizer("def main():\n    return")["input_ids"]]
+    rows = compare.methods(drafters, cfg)
+    assert [r.name for r in rows] == ["target_only", "eagle3-seed0 (chain)", "eagle3-seed0 (tree)",
+                                      "eagle3-seed1 (chain)", "eagle3-seed1 (tree)"]
+    compare.run(llama_target, rows, prompts, cfg)
+    table = compare.summary(rows)
+    assert all(r["outputs_match_target_only"] for r in table)
+    assert table[0]["speedup"] == 1.0 and table[0]["acceptance_length"] is None
+    for r in table[1:]:
+        assert len(r["acceptance_rate_per_position"]) == 3 and r["tokens_per_second"] > 0
+    # The chain rows are the figures `python -m inference` reports for the same drafter and prompts.
+    texts = [tokenizer.decode(p) for p in prompts]
+    for (path, drafter, _), row in zip(drafters, (table[1], table[3])):
+        alone = report.measure(llama_target, drafter, texts, report.InferenceConfig(
+            drafter=path, max_new_tokens=12, num_speculative_tokens=3))
+        assert row["acceptance_length"] == pytest.approx(alone["acceptance_length"])
+        assert row["acceptance_rate_per_position"] == pytest.approx(alone["acceptance_rate_per_position"])
+    assert table[3]["training"]["tokens_seen"] == 100
+
+    result_path = compare.write({"rows": table}, tmp_path)
+    markdown = (tmp_path / "compare.md").read_text()
+    assert markdown.count("\n") == 2 + len(table) and "eagle3-seed1 (tree)" in markdown
+    assert (tmp_path / "compare.png").stat().st_size > 0
+    assert json.loads(result_path.read_text())["rows"] == table
+
+
+@pytest.mark.parametrize("bad, message", [({"drafters": []}, "at least one"),
+                                          ({"drafters": ["x"], "modes": ["beam"]}, "drafting.mode"),
+                                          ({"drafters": ["x"], "repeats": 0}, "repeats")])
+def test_bad_config_is_a_user_error(bad, message):
+    with pytest.raises(UserError, match=message):
+        compare.CompareConfig(**bad)
+
+
+def test_cli_end_to_end(llama_dir, exports, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
+    result = subprocess.run([sys.executable, "-m", "inference.compare", f"drafters=[{exports[0]},{exports[1]}]",
+                             f"target={llama_dir}", "num_prompts=1", "prompt_lines=2", "max_new_tokens=6",
+                             "num_speculative_tokens=2", "repeats=1", f"out={tmp_path}"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "compare.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["target_only", "eagle3-seed0 (chain)", "eagle3-seed1 (chain)"]
+    missing = subprocess.run([sys.executable, "-m", "inference.compare", f"drafters=[{tmp_path / 'nope'}]"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr
+    assert missing.stderr.strip().splitlines()[-1].startswith("error:")
