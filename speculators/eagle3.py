@@ -54,12 +54,15 @@ def layer_config(target: FrozenTarget) -> LlamaConfig:
 
 
 class Eagle3Attention(nn.Module):
-    def __init__(self, c: LlamaConfig):
+    """Llama attention over inputs `in_features` wide: 2H in EAGLE-3 (embeddings and hidden
+    side by side), H in EAGLE-1 (speculators.eagle)."""
+
+    def __init__(self, c: LlamaConfig, in_features: int):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(2 * c.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(in_features, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -97,7 +100,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.norm_before_residual = norm_before_residual
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Eagle3Attention(c)
+        self.self_attn = Eagle3Attention(c, 2 * c.hidden_size)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
@@ -138,6 +141,9 @@ class Eagle3Drafter(nn.Module):
     @classmethod
     def from_target(cls, cfg: Eagle3Config, target: FrozenTarget, token_counts: torch.Tensor) -> "Eagle3Drafter":
         """A drafter for `target`: its embeddings (frozen), its lm_head rows of the draft vocab as a start."""
+        if not target.layer_ids:
+            raise UserError("EAGLE-3 reads target features: target.layer_ids must name at least one layer "
+                            "(null: the default [2, L//2, L-3])")
         drafter = cls(cfg, layer_config(target), target.layer_ids, target.hidden_size)
         drafter.d2t, drafter.t2d = draft_vocab.build(token_counts, cfg.draft_vocab_size)
         with torch.no_grad():
@@ -233,18 +239,24 @@ class Eagle3Drafter(nn.Module):
         the next m and attention to causal; a tree draft passes its nodes' depths as positions
         and `visible` [m, cache.length + m] (context and own ancestors). `cache.crop` undoes it.
         """
-        layer, start, m = self.layers[0], cache.length, tokens.shape[1]
+        residual, x = self.layers[0].attention_input(self.embed_tokens(tokens), hidden)
+        hidden = self.cached_layer(cache, residual, x, positions, visible)
+        return self.logits(hidden), hidden
+
+    def cached_layer(self, cache: KVCache, residual: torch.Tensor, x: torch.Tensor, positions: torch.Tensor | None,
+                     visible: torch.Tensor | None) -> torch.Tensor:
+        """The decoder layer over m positions appended after `cache` (attention input x [B, m, *],
+        residual [B, m, H]), as `step` describes positions and visibility; shared with EAGLE-1."""
+        layer, start, m = self.layers[0], cache.length, x.shape[1]
         if positions is None:
             cos, sin = (table[start : start + m] for table in self.rotary_table(start + m))
-            visible = torch.arange(start + m, device=tokens.device)[None, :] <= torch.arange(
-                start, start + m, device=tokens.device)[:, None]
+            visible = torch.arange(start + m, device=x.device)[None, :] <= torch.arange(
+                start, start + m, device=x.device)[:, None]
         else:
             cos, sin = (table[positions] for table in self.rotary_table(int(positions.max()) + 1))
-        residual, x = layer.attention_input(self.embed_tokens(tokens), hidden)
         q, k, v = layer.self_attn.qkv(x, cos, sin)
         keys, values = cache.append(k, v)
-        hidden = layer.finish(residual, F.scaled_dot_product_attention(q, keys, values, attn_mask=visible))
-        return self.logits(hidden), hidden
+        return layer.finish(residual, F.scaled_dot_product_attention(q, keys, values, attn_mask=visible))
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ from speculators.config import UserError
 from speculators.layers import rope_theta
 
 SPECULATORS_VERSION = "0.3.0"
-SPECULATORS_ARCHITECTURES = {"eagle3": "Eagle3DraftModel"}
+SPECULATORS_ARCHITECTURES = {"eagle3": "Eagle3DraftModel", "peagle": "PEagleSpeculator"}
 
 
 @dataclass
@@ -165,10 +165,24 @@ def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, tr
     (partial / "config.json").write_text(json.dumps(config, indent=2))
     if training is not None:
         (partial / "training.json").write_text(json.dumps(training, indent=2))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    partial.rename(out_dir)
+    move_into_place(partial, out_dir)
     return out_dir
+
+
+def move_into_place(partial: Path, out_dir: Path) -> None:
+    """The previous export is moved aside, not deleted, until the new one is in place, and put
+    back if the swap is interrupted."""
+    previous = out_dir.with_name(out_dir.name + ".previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    try:
+        if out_dir.exists():
+            out_dir.rename(previous)
+        partial.rename(out_dir)
+    except BaseException:  # Ctrl-C included
+        if previous.exists() and not out_dir.exists():
+            previous.rename(out_dir)
+        raise
+    shutil.rmtree(previous, ignore_errors=True)
 
 
 def check_writable(out_dir: Path, overwrite: bool) -> None:
@@ -205,6 +219,8 @@ def read_files(path: Path) -> tuple[dict, dict]:
         config = json.loads((path / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path}/config.json is corrupt or truncated ({e})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}/config.json is corrupt: it holds a JSON {type(config).__name__}, not an object")
     try:
         weights = load_file(path / "model.safetensors")
     except (SafetensorError, OSError) as e:

@@ -61,7 +61,8 @@ class FrozenTarget:
         self.num_layers = model.config.num_hidden_layers
         self.hidden_size = model.config.hidden_size
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.layer_ids = check_layer_ids(layer_ids or default_layer_ids(self.num_layers), self.num_layers)
+        self.layer_ids = check_layer_ids(default_layer_ids(self.num_layers) if layer_ids is None else layer_ids,
+                                         self.num_layers)
 
     @classmethod
     def load(cls, cfg: TargetConfig, quant: QuantConfig = QuantConfig()) -> "FrozenTarget":
