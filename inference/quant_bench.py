@@ -10,33 +10,64 @@ the same machine load; tokens/s is the median over repeats of (tokens emitted) /
 after the first token). Also per scheme: weight bytes, the CPU operator its linear layers use,
 the quantize-dequantize relative error ||W - W_q||_F / ||W||_F over the quantized layers, and
 output drift (mean length of the greedy output's prefix equal to the unquantized target's).
+
+The pieces here (interleaved decoding, the error, the operators) also serve inference.quant_report.
 """
 
 import argparse
 import json
 import statistics
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from inference.engine import generate
+from inference.drafting import DraftingConfig
+from inference.engine import Stats, generate
 from inference.report import git_revision, heldout_prompts, machine
 from speculators.config import PROJECT_ROOT
 from speculators.quant import QUANT_SCHEMES, QuantConfig, QuantizedEmbedding, QuantizedLinear, weight_bytes
 from speculators.target import FrozenTarget, TargetConfig
 
 
-def load(target_dir: str, quant: QuantConfig) -> tuple[FrozenTarget, float | None]:
-    """The target quantized by `quant`, and its quantize-dequantize relative error."""
-    full = dict(FrozenTarget.load(TargetConfig(name_or_path=target_dir)).model.named_modules())
-    target = FrozenTarget.load(TargetConfig(name_or_path=target_dir), quant)
-    quantized = {name: m.weight for name, m in quantized_modules(target.model)}
-    if not quantized:
-        return target, None
-    squares = [((full[n].weight.detach().float() - w).pow(2).sum(), full[n].weight.float().pow(2).sum())
-               for n, w in quantized.items()]
-    return target, float((sum(d for d, _ in squares) / sum(n for _, n in squares)).sqrt())
+@dataclass
+class Decoded:
+    """One way of decoding over every prompt: tokens/s of each repeat; outputs and counters of the first."""
+
+    tokens_per_s: list[float]
+    outputs: list[list[int]]
+    stats: Stats
+
+
+def interleaved(ways: dict, prompts: list[list[int]], new_tokens: int, repeats: int, k: int = 0,
+                drafting: DraftingConfig | None = None) -> dict[str, Decoded]:
+    """ways: name -> (target, drafter or None), greedy. Within each repeat every way decodes a prompt
+    before any way starts the next one, so all see the same machine load. tokens/s of a repeat =
+    tokens after the first / decode time after the first token, summed over the prompts."""
+    decoded = {name: Decoded([], [], Stats(k if drafter is not None else 0)) for name, (_, drafter) in ways.items()}
+    for repeat in range(repeats):
+        tokens, seconds = dict.fromkeys(ways, 0), dict.fromkeys(ways, 0.0)
+        for ids in prompts:
+            for name, (target, drafter) in ways.items():
+                out = generate(target, drafter, ids, new_tokens, k, drafting=drafting)
+                tokens[name] += len(out.tokens) - 1
+                seconds[name] += out.stats.decode_s
+                if repeat == 0:  # greedy: every repeat emits the same tokens
+                    decoded[name].outputs.append(out.tokens)
+                    decoded[name].stats.add(out.stats)
+        for name in ways:
+            decoded[name].tokens_per_s.append(tokens[name] / seconds[name])
+    return decoded
+
+
+def quant_error(full: torch.nn.Module, quantized: torch.nn.Module) -> float | None:
+    """||W - W_q||_F / ||W||_F over the quantized layers of `quantized` (None if nothing is quantized)."""
+    originals = dict(full.named_modules())
+    pairs = [(originals[name].weight.detach().float(), m.weight) for name, m in quantized_modules(quantized)]
+    if not pairs:
+        return None
+    return float((sum((w - q).pow(2).sum() for w, q in pairs) / sum(w.pow(2).sum() for w, _ in pairs)).sqrt())
 
 
 def quantized_modules(model) -> list[tuple[str, torch.nn.Module]]:
@@ -62,35 +93,24 @@ def prefix_match(a: list[int], b: list[int]) -> int:
 
 def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_weights: bool) -> dict:
     options = dict(quantize_embeddings=all_weights, quantize_lm_head=all_weights)
-    loaded = {scheme: load(target_dir, QuantConfig(scheme=scheme, **options)) for scheme in QUANT_SCHEMES}
-    tokenizer = loaded["none"][0].tokenizer
-    prompts = [tokenizer(text)["input_ids"] for text in heldout_prompts(num_prompts)]
-    speeds = {scheme: [] for scheme in QUANT_SCHEMES}
-    outputs = {scheme: [] for scheme in QUANT_SCHEMES}
-    for _ in range(repeats):
-        tokens = dict.fromkeys(QUANT_SCHEMES, 0)
-        seconds = dict.fromkeys(QUANT_SCHEMES, 0.0)
-        for i, ids in enumerate(prompts):
-            for scheme, (target, _) in loaded.items():
-                out = generate(target, None, ids, new_tokens, k=0)
-                tokens[scheme] += len(out.tokens) - 1  # decode: after the first token
-                seconds[scheme] += out.stats.decode_s
-                if len(outputs[scheme]) < len(prompts):
-                    outputs[scheme].append(out.tokens)
-        for scheme in QUANT_SCHEMES:
-            speeds[scheme].append(tokens[scheme] / seconds[scheme])
-    base = statistics.median(speeds["none"])
+    full = FrozenTarget.load(TargetConfig(name_or_path=target_dir))
+    targets = {scheme: FrozenTarget.load(TargetConfig(name_or_path=target_dir), QuantConfig(scheme=scheme, **options))
+               for scheme in QUANT_SCHEMES}
+    prompts = [full.tokenizer(text)["input_ids"] for text in heldout_prompts(num_prompts)]
+    decoded = interleaved({scheme: (target, None) for scheme, target in targets.items()}, prompts, new_tokens, repeats)
+    base = statistics.median(decoded["none"].tokens_per_s)
     rows = {}
-    for scheme, (target, error) in loaded.items():
+    for scheme, target in targets.items():
+        speeds = decoded[scheme].tokens_per_s
         rows[scheme] = {
-            "decode_tokens_per_s": statistics.median(speeds[scheme]),
-            "speedup_vs_none": statistics.median(speeds[scheme]) / base,
-            "tokens_per_s_repeats": speeds[scheme],
+            "decode_tokens_per_s": statistics.median(speeds),
+            "speedup_vs_none": statistics.median(speeds) / base,
+            "tokens_per_s_repeats": speeds,
             "weight_bytes": weight_bytes(target.model),
             "linear_ops": linear_ops(target.model),
-            "quant_dequant_rel_error": error,
+            "quant_dequant_rel_error": quant_error(full.model, target.model),
             "mean_prefix_equal_to_none": statistics.mean(
-                prefix_match(a, b) for a, b in zip(outputs[scheme], outputs["none"])),
+                prefix_match(a, b) for a, b in zip(decoded[scheme].outputs, decoded["none"].outputs)),
         }
     return {"schemes": rows, "config": dict(target=target_dir, prompts=num_prompts, new_tokens=new_tokens,
                                             repeats=repeats, quant_options=options),

@@ -1,0 +1,303 @@
+"""The quantization report: four ways to serve a target, measured side by side on the same prompts.
+
+    python -m inference.quant_report drafter=<export> [quantized_drafters={int4:<export>,int8:<export>}]
+        [schemes=[int8,int4]] [target=<dir>] [prompts=<file>] [max_new_tokens=64] [repeats=3] [out=DIR]
+
+For each quantization scheme s, the production rollout's four steps:
+    baseline           full-precision target, no drafter
+    quantization only  the target quantized with s, no drafter
+    speculation only   full-precision target + `drafter` (trained against the full-precision target)
+    both               quantized target + quantized_drafters.s (trained against it) if given, else `drafter`
+Columns: the target's weight bytes; decode tokens/s (tokens after the first / time after the
+first token, median over repeats); speed-up over the baseline; tau = 1 + accepted / drafts (vLLM's
+acceptance length); and output drift against the full-precision target's greedy output y:
+- greedy agreement = sum_i m_i / sum_i |y_i|, with m_i the length of output i's prefix equal to y_i
+  (positions after the first difference count as different: their contexts differ); and mean m_i;
+- mean KL(p_fp || p_s) of next-token distributions over the positions of y, both targets
+  teacher-forced on prompt + y: the same contexts, so it is defined even where outputs diverge.
+The cross table: tau of `drafter` and of quantized_drafters.s, each served with the s target, beside
+tau of `drafter` on the full-precision target.
+
+Every way of serving decodes a prompt before any starts the next one (interleaved: all see the same
+machine load), in each of `repeats` repeats, greedily. Writes <out>/quant_report.json (everything,
+with the config, git revision and machine) and <out>/quant_report.md (the tables, for the README).
+"""
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import hydra
+import torch
+import torch.nn.functional as F
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from inference import report
+from inference.drafting import DraftingConfig
+from inference.engine import check_pair
+from inference.quant_bench import interleaved, linear_ops, prefix_match, quant_error
+from speculators import export
+from speculators.config import (
+    PROJECT_ROOT,
+    UserError,
+    at_least,
+    exit_on_user_error,
+    one_of,
+    require,
+    run_cli,
+    to_dataclass,
+)
+from speculators.quant import QUANT_SCHEMES, QuantConfig, weight_bytes
+from speculators.target import FrozenTarget, TargetConfig
+
+FULL = "fp"  # the full-precision target, and the drafter trained against it
+STEPS = {"baseline": "baseline", "quantization_only": "quantization only", "speculation_only": "speculation only",
+         "both": "both"}
+
+
+@dataclass
+class QuantReportConfig:
+    drafter: str = "???"  # export of a drafter trained against the full-precision target
+    quantized_drafters: dict[str, str] | None = None  # scheme -> export trained against that quantized target
+    target: str = str(PROJECT_ROOT / "models" / "pycode")
+    schemes: list[str] = field(default_factory=lambda: ["int8", "int4"])
+    group_size: int = 32  # as speculators.quant.QuantConfig, for every scheme
+    quantize_embeddings: bool = False
+    quantize_lm_head: bool = False
+    prompts: str = "heldout"  # heldout: first lines of test-split stdlib files; or a text file, one prompt per line
+    num_prompts: int = 8
+    prompt_lines: int = 6
+    max_new_tokens: int = 64
+    num_speculative_tokens: int = 5
+    drafting: DraftingConfig = field(default_factory=DraftingConfig)
+    repeats: int = 3
+    out: str | None = None  # None: the Hydra run directory
+
+    def __post_init__(self):
+        require(bool(self.schemes), "schemes", self.schemes, f"a non-empty list of {', '.join(QUANT_SCHEMES)}")
+        for scheme in self.schemes:
+            one_of("schemes", scheme, QUANT_SCHEMES)
+            self.quant(scheme)  # validates group_size and the flags
+        require(len(set(self.schemes)) == len(self.schemes), "schemes", self.schemes, "without repeats")
+        self.quantized_drafters = self.quantized_drafters or {}
+        for scheme in self.quantized_drafters:
+            require(scheme in self.schemes and scheme != "none", f"quantized_drafters.{scheme}",
+                    self.quantized_drafters[scheme], f"keyed by a reported quantized scheme "
+                    f"({', '.join(s for s in self.schemes if s != 'none')}); the full-precision one is drafter=")
+        at_least(1, num_prompts=self.num_prompts, prompt_lines=self.prompt_lines, repeats=self.repeats,
+                 num_speculative_tokens=self.num_speculative_tokens)
+        at_least(2, max_new_tokens=self.max_new_tokens)  # decode speed is timed after the first token
+
+    def quant(self, scheme: str) -> QuantConfig:
+        return QuantConfig(scheme, self.group_size, self.quantize_embeddings, self.quantize_lm_head)
+
+    def both_drafter(self, scheme: str) -> str:
+        """Who drafts for the quantized target in "both": the drafter trained against it, if given."""
+        return scheme if scheme in self.quantized_drafters else FULL
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+
+def load(cfg: QuantReportConfig) -> tuple[dict[str, FrozenTarget], dict[str, torch.nn.Module]]:
+    """(targets, drafters), both keyed FULL or by scheme: the full-precision target and one per scheme;
+    the drafter trained against the full-precision target and those trained against quantized ones."""
+    drafters = {FULL: load_drafter("drafter", cfg.drafter, QuantConfig())}
+    drafters |= {s: load_drafter(f"quantized_drafters.{s}", path, cfg.quant(s))
+                 for s, path in cfg.quantized_drafters.items()}
+    target_cfg = TargetConfig(name_or_path=cfg.target, layer_ids=getattr(drafters[FULL], "layer_ids", None))
+    targets = {FULL: FrozenTarget.load(target_cfg)} | {s: FrozenTarget.load(target_cfg, cfg.quant(s))
+                                                       for s in cfg.schemes}
+    return targets, drafters
+
+
+def load_drafter(key: str, path: str, served: QuantConfig) -> torch.nn.Module:
+    """An export, refused if its training record says it was trained against another quantization."""
+    if not Path(path).is_dir():
+        raise UserError(f"{key}={path!r}: no such export folder")
+    drafter, _ = export.load(Path(path))
+    trained = (export.training_record(Path(path)) or {}).get("quant")
+    if trained is not None and not same_quantization(QuantConfig(**trained), served):
+        raise UserError(f"{key}={path!r} was trained against a target quantized as {describe(QuantConfig(**trained))},"
+                        f" but is served here with {describe(served)}")
+    return drafter.eval()
+
+
+def same_quantization(a: QuantConfig, b: QuantConfig) -> bool:
+    """The same quantized weights: the group size matters for int4 only, the flags for every scheme but none."""
+    def effective(q):
+        return (q.scheme, q.group_size if q.scheme == "int4" else None,
+                *((q.quantize_embeddings, q.quantize_lm_head) if q.scheme != "none" else ()))
+    return effective(a) == effective(b)
+
+
+def describe(quant: QuantConfig) -> str:
+    if quant.scheme == "none":
+        return "no quantization"
+    parts = [quant.scheme + (f", groups of {quant.group_size}" if quant.scheme == "int4" else "")]
+    parts.append("embeddings " + ("quantized" if quant.quantize_embeddings else "kept"))
+    parts.append("lm_head " + ("quantized" if quant.quantize_lm_head else "kept"))
+    return "; ".join(parts)
+
+
+def served_with(target: FrozenTarget, drafter) -> FrozenTarget:
+    """The target as `drafter` reads it: the same model, the drafter's feature layers."""
+    layer_ids = getattr(drafter, "layer_ids", None)
+    if drafter is None or layer_ids is None or list(layer_ids) == target.layer_ids:
+        return target
+    return FrozenTarget(target.model, target.tokenizer, target.name_or_path, layer_ids)
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+
+def ways_of_serving(cfg: QuantReportConfig) -> list[tuple[str, str | None]]:
+    """(target, drafter or None) of every way the tables need, each once, baseline first."""
+    ways = [(FULL, None), (FULL, FULL)]
+    for s in cfg.schemes:
+        ways += [(s, None), (s, cfg.both_drafter(s)), (s, FULL)]
+    return list(dict.fromkeys(ways))
+
+
+def way_name(way: tuple[str, str | None]) -> str:
+    return f"target={way[0]} drafter={way[1] or '-'}"
+
+
+def measure(targets: dict, drafters: dict, prompts: list[str], cfg: QuantReportConfig) -> dict:
+    """Decode every prompt every way (interleaved, repeated); the four-way and cross tables as a dict."""
+    ids = [targets[FULL].tokenizer(text)["input_ids"] for text in prompts]
+    ways = ways_of_serving(cfg)
+    for target, drafter in ways:
+        if drafter is not None:
+            check_pair(targets[target], drafters[drafter])
+    decoded = interleaved({way: (served_with(targets[way[0]], drafters.get(way[1])), drafters.get(way[1]))
+                           for way in ways}, ids, cfg.max_new_tokens, cfg.repeats, cfg.num_speculative_tokens,
+                          cfg.drafting)
+    reference = decoded[(FULL, None)].outputs
+    kl = {key: mean_kl(targets[FULL], target, ids, reference) for key, target in targets.items()}
+    base = statistics.median(decoded[(FULL, None)].tokens_per_s)
+    rows = {}
+    for way in ways:
+        target, drafter = way
+        run, alone = decoded[way], decoded[(target, None)]
+        speed = statistics.median(run.tokens_per_s)
+        agreement, equal_prefix = greedy_agreement(run.outputs, reference)
+        rows[way] = {
+            "target": target, "drafter": drafter, "weight_bytes": weight_bytes(targets[target].model),
+            "decode_tokens_per_s": speed, "tokens_per_s_repeats": run.tokens_per_s, "speedup_vs_baseline": speed / base,
+            "acceptance_length": acceptance_length(run.stats) if drafter else None,
+            "greedy_agreement": agreement, "mean_equal_prefix": equal_prefix, "mean_kl_fp_to_served": kl[target],
+            # greedy speculation must reproduce the same target's greedy output
+            "same_output_as_target_alone": run.outputs == alone.outputs if drafter else None,
+        }
+    four_way, cross = {}, {}
+    for s in cfg.schemes:
+        four_way[s] = {"quant": asdict(cfg.quant(s)), "quant_dequant_rel_error": quant_error(
+                           targets[FULL].model, targets[s].model), "linear_ops": linear_ops(targets[s].model),
+                       "both_drafter": cfg.both_drafter(s),
+                       "rows": {"baseline": rows[(FULL, None)], "quantization_only": rows[(s, None)],
+                                "speculation_only": rows[(FULL, FULL)], "both": rows[(s, cfg.both_drafter(s))]}}
+        cross[s] = {"fp_drafter_on_fp_target": rows[(FULL, FULL)], "fp_drafter_on_quantized_target": rows[(s, FULL)],
+                    "quantized_drafter_on_quantized_target": rows.get((s, s))}
+    return {"four_way": four_way, "cross": cross, "prompts": prompts,
+            "outputs": {way_name(way): decoded[way].outputs for way in ways},
+            "drafters": {key: {"path": cfg.drafter if key == FULL else cfg.quantized_drafters[key],
+                               "trained_against": "full precision" if key == FULL else key} for key in drafters},
+            "config": asdict(cfg), "git_revision": report.git_revision(), "machine": report.machine()}
+
+
+def acceptance_length(stats) -> float:
+    return 1 + stats.num_accepted_tokens / max(stats.num_drafts, 1)  # as inference.report.measure
+
+
+def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:
+    """(sum of equal-prefix lengths / sum of reference lengths, mean equal-prefix length)."""
+    prefixes = [prefix_match(out, ref) for out, ref in zip(outputs, reference)]
+    return sum(prefixes) / sum(len(ref) for ref in reference), statistics.mean(prefixes)
+
+
+@torch.no_grad()
+def mean_kl(full: FrozenTarget, served: FrozenTarget, prompts: list[list[int]], continuations: list[list[int]]) -> float:
+    """Mean over continuation positions of KL(p_fp || p_served), both teacher-forced on prompt + continuation."""
+    total, count = 0.0, 0
+    for ids, continuation in zip(prompts, continuations):
+        tokens = torch.tensor([ids + continuation[:-1]])
+        predicting = slice(len(ids) - 1, None)  # the positions whose next token is a continuation token
+        log_p = F.log_softmax(full.model(input_ids=tokens, use_cache=False).logits[0, predicting].float(), -1)
+        log_q = F.log_softmax(served.model(input_ids=tokens, use_cache=False).logits[0, predicting].float(), -1)
+        total += float((log_p.exp() * (log_p - log_q)).sum())
+        count += len(continuation)
+    return total / count
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+
+def markdown(result: dict) -> str:
+    """The four-way table per scheme and the cross table, as Markdown."""
+    cfg = result["config"]
+    lines = [f"{len(result['prompts'])} prompts, {cfg['max_new_tokens']} new tokens each, greedy, "
+             f"{cfg['num_speculative_tokens']}-token {cfg['drafting']['mode']} drafts; tokens/s: decode after the "
+             f"first token, median of {cfg['repeats']} interleaved repeats; torch {result['machine']['torch']}, "
+             f"{result['machine']['threads']} thread(s)."]
+    for scheme, entry in result["four_way"].items():
+        error = entry["quant_dequant_rel_error"]
+        lines += ["", f"**{scheme}** ({describe(QuantConfig(**entry['quant']))}; quantize-dequantize error "
+                      f"{'-' if error is None else f'{error:.4f}'})", "",
+                  "| | target | drafter | target weights (MiB) | tokens/s | speed-up | tau | greedy agreement "
+                  "| mean equal prefix | mean KL(p_fp ‖ p) |",
+                  "|---|---|---|--:|--:|--:|--:|--:|--:|--:|"]
+        for step, row in entry["rows"].items():
+            lines.append(f"| {STEPS[step]} | {target_label(row['target'])} | {drafter_label(row['drafter'])} "
+                         f"| {row['weight_bytes'] / 2**20:.2f} | {row['decode_tokens_per_s']:.1f} "
+                         f"| {row['speedup_vs_baseline']:.2f}x | {number(row['acceptance_length'], 2)} "
+                         f"| {row['greedy_agreement']:.3f} | {row['mean_equal_prefix']:.1f} "
+                         f"| {row['mean_kl_fp_to_served']:.4g} |")
+    lines += ["", "Cross table: tau of each drafter served with the quantized target.", "",
+              "| scheme | fp drafter, fp target | fp drafter, quantized target | quantized drafter, quantized target "
+              "| quantized drafter / fp reference |", "|---|--:|--:|--:|--:|"]
+    for scheme, entry in result["cross"].items():
+        reference = entry["fp_drafter_on_fp_target"]["acceptance_length"]
+        own = entry["quantized_drafter_on_quantized_target"]
+        own_tau = own and own["acceptance_length"]
+        lines.append(f"| {scheme} | {reference:.2f} | {entry['fp_drafter_on_quantized_target']['acceptance_length']:.2f} "
+                     f"| {number(own_tau, 2)} | {number(own_tau and own_tau / reference, 3)} |")
+    return "\n".join(lines) + "\n"
+
+
+def target_label(key: str) -> str:
+    return "full precision" if key == FULL else key
+
+
+def drafter_label(key: str | None) -> str:
+    return "-" if key is None else f"trained on {target_label(key)}"
+
+
+def number(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def write(result: dict, out_dir: Path) -> Path:
+    """quant_report.json and quant_report.md in out_dir; the tables on the console."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "quant_report.json").write_text(json.dumps(result, indent=2))
+    tables = markdown(result)
+    (out_dir / "quant_report.md").write_text(tables)
+    print(tables)
+    return out_dir / "quant_report.json"
+
+
+@hydra.main(config_path="../conf/inference", config_name="quant_report", version_base="1.3")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    cfg = to_dataclass(QuantReportConfig, cfg)
+    targets, drafters = load(cfg)
+    result = measure(targets, drafters, report.load_prompts(cfg), cfg)
+    path = write(result, Path(cfg.out or HydraConfig.get().runtime.output_dir))
+    print(f"quantization report: {path}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
