@@ -46,6 +46,8 @@ def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
     from speculators.target import FrozenTarget, TargetConfig
 
     drafter, verifier = export.load(Path(drafter_path))
+    if not (target_path or verifier):
+        raise UserError(f"{drafter_path} does not name its target (original EAGLE-3 format); pass target=<path or hub id>")
     target_cfg = TargetConfig(name_or_path=target_path or verifier, layer_ids=getattr(drafter, "layer_ids", None))
     return drafter.eval(), FrozenTarget.load(target_cfg, quant or QuantConfig())
 

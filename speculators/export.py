@@ -16,6 +16,14 @@ intact), no silent overwrite, and refusing corrupt or truncated files.
   embed_tokens.weight, and lm_head.weight: the target's, stored so that an export loads and
   serves without the target's files (EAGLE itself loads non-strictly and uses the base
   model's lm_head).
+- eagle3 (the original EAGLE-3 layout, SGLang): architectures LlamaForCausalLMEagle3, the
+  draft layer's Llama config with draft_vocab_size, target_hidden_size and eagle_config
+  {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state}; weights as the speculators
+  format with `midlayer.*` for `layers.0.*`. It does not name the target (serve it with
+  target=...) and has no norm_before_residual=true.
+
+Any export converts to another format that can hold the drafter:
+    python -m speculators.export SRC OUT --format eagle3
 """
 
 import json
@@ -27,7 +35,7 @@ from typing import Callable, NamedTuple
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig
+from transformers import AutoConfig, LlamaConfig
 
 from speculators import draft_vocab
 from speculators.config import UserError
@@ -43,6 +51,15 @@ class Verifier:
 
     name_or_path: str
     architectures: list[str]
+
+    @classmethod
+    def named(cls, name_or_path: str) -> "Verifier":
+        """From the target's config.json when it can be read offline; its architectures are informational."""
+        try:
+            architectures = AutoConfig.from_pretrained(name_or_path).architectures or []
+        except (OSError, ValueError):
+            architectures = []
+        return cls(name_or_path, list(architectures))
 
     @classmethod
     def of(cls, target) -> "Verifier":
@@ -95,7 +112,7 @@ def read_speculators(config: dict, weights: dict):
     layer_cfg = LlamaConfig(**{k: v for k, v in config["transformer_layer_config"].items()
                                if k not in ("architectures", "model_type")})
     draft_vocab.check(weights.get("d2t"), weights.get("t2d"), layer_cfg.vocab_size, config["draft_vocab_size"])
-    return FAMILIES[kind].from_speculators_config(config, layer_cfg)
+    return FAMILIES[kind].from_speculators_config(config, layer_cfg), weights
 
 
 # Keys of an EAGLE config.json that are not fields of the draft layer's LlamaConfig.
@@ -123,13 +140,56 @@ def read_eagle(config: dict, weights: dict):
     from speculators.eagle import EagleConfig, EagleDrafter
 
     layer_cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in EAGLE_FORMAT_KEYS})
-    return EagleDrafter(EagleConfig(num_speculative_tokens=config["num_speculative_tokens"]), layer_cfg)
+    return EagleDrafter(EagleConfig(num_speculative_tokens=config["num_speculative_tokens"]), layer_cfg), weights
+
+
+# Keys of an original EAGLE-3 config.json that are not fields of the draft layer's LlamaConfig.
+EAGLE3_FORMAT_KEYS = ("architectures", "model_type", "draft_vocab_size", "target_hidden_size", "eagle_config",
+                      "norm_before_residual", "num_speculative_tokens", "torch_dtype")
+
+
+def write_eagle3(drafter, verifier: Verifier) -> tuple[dict, dict]:
+    """The original EAGLE-3 layout SGLang (and vLLM) load: the decoder layer is `midlayer`."""
+    if drafter.speculators_model_type != "eagle3":
+        raise UserError(f"the original EAGLE-3 format holds EAGLE-3 drafters, not {type(drafter).__name__}")
+    if drafter.cfg.norm_before_residual:
+        raise UserError("the original EAGLE-3 format has no norm_before_residual=true (SGLang would silently "
+                        "compute the other residual); export this drafter in the speculators format")
+    draft_vocab.check(drafter.d2t, drafter.t2d, len(drafter.t2d), drafter.cfg.draft_vocab_size)
+    config = drafter.layer_cfg.to_dict() | {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "vocab_size": len(drafter.t2d),
+        "rope_theta": rope_theta(drafter.layer_cfg),
+        "draft_vocab_size": drafter.cfg.draft_vocab_size,
+        "target_hidden_size": drafter.target_hidden_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": drafter.layer_ids, "use_aux_hidden_state": True},
+        "norm_before_residual": False,
+        "num_speculative_tokens": drafter.num_speculative_tokens,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    weights = {name.replace("layers.0.", "midlayer.", 1): t for name, t in drafter.state_dict().items()}
+    return config, weights
+
+
+def read_eagle3(config: dict, weights: dict):
+    from speculators.eagle3 import Eagle3Config, Eagle3Drafter
+
+    layer_cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in EAGLE3_FORMAT_KEYS})
+    draft_vocab.check(weights.get("d2t"), weights.get("t2d"), layer_cfg.vocab_size, config["draft_vocab_size"])
+    cfg = Eagle3Config(ttt_steps=config.get("num_speculative_tokens", 5), draft_vocab_size=config["draft_vocab_size"],
+                       norm_before_residual=config.get("norm_before_residual", False))
+    drafter = Eagle3Drafter(cfg, layer_cfg, config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+                            config["target_hidden_size"])
+    return drafter, {name.replace("midlayer.", "layers.0.", 1): t for name, t in weights.items()}
 
 
 class Format(NamedTuple):
-    write: Callable  # (drafter, Verifier) -> (config, weights)
-    read: Callable  # (config, weights) -> an empty drafter shaped by config
-    verifier: Callable  # config -> the target's name_or_path it records
+    write: Callable  # (drafter, Verifier) -> (config, weights in the format's names)
+    read: Callable  # (config, weights) -> (an empty drafter shaped by config, weights in the drafter's names)
+    verifier: Callable  # config -> the target's name_or_path it records, or None
 
 
 # A drafter class names its format in `export_format`.
@@ -137,6 +197,7 @@ FORMATS = {
     "speculators": Format(write_speculators, read_speculators,
                           lambda config: config["speculators_config"]["verifier"]["name_or_path"]),
     "eagle": Format(write_eagle, read_eagle, lambda config: config["base_model_name_or_path"]),
+    "eagle3": Format(write_eagle3, read_eagle3, lambda config: None),  # the format does not name its target
 }
 
 
@@ -144,6 +205,8 @@ def format_of(config: dict) -> str | None:
     """Which format wrote this config.json."""
     if "speculators_model_type" in config:
         return "speculators"
+    if config.get("architectures") == ["LlamaForCausalLMEagle3"]:
+        return "eagle3"
     # EAGLE-1: the plain one-layer Llama config EAGLE writes, naming its base model as ours do.
     if (config.get("architectures") == ["LlamaForCausalLM"] and config.get("num_hidden_layers") == 1
             and "base_model_name_or_path" in config):
@@ -151,10 +214,15 @@ def format_of(config: dict) -> str | None:
     return None
 
 
-def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, training: dict | None = None) -> Path:
+def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, training: dict | None = None,
+         fmt: str | None = None) -> Path:
     """Write the export into a sibling temporary folder, then move it in place whole. `training`
-    (steps, tokens seen, ...) goes to training.json beside the weights: serving engines ignore it."""
-    config, weights = FORMATS[drafter.export_format].write(drafter, verifier)  # validates before anything is written
+    (steps, tokens seen, ...) goes to training.json beside the weights: serving engines ignore it.
+    `fmt` defaults to the drafter's own format (`export_format`)."""
+    fmt = fmt or drafter.export_format
+    if fmt not in FORMATS:
+        raise UserError(f"unknown export format {fmt!r}; allowed: {', '.join(FORMATS)}")
+    config, weights = FORMATS[fmt].write(drafter, verifier)  # validates before anything is written
     out_dir = Path(out_dir)
     check_writable(out_dir, overwrite)
     partial = out_dir.with_name(out_dir.name + ".partial")
@@ -191,14 +259,14 @@ def check_writable(out_dir: Path, overwrite: bool) -> None:
         raise UserError(f"{out_dir} already exists; pass overwrite=true to replace it")
 
 
-def load(path: Path) -> tuple[torch.nn.Module, str]:
+def load(path: Path) -> tuple[torch.nn.Module, str | None]:
     """(drafter, the verifier's name_or_path its config records) from an export of any supported format."""
     config, weights = read_files(Path(path))
     fmt = format_of(config)
     if fmt is None:
         raise UserError(f"{path}: config.json is not in a drafter format this project reads "
                         f"(supported: {', '.join(FORMATS)})")
-    drafter = FORMATS[fmt].read(config, weights)
+    drafter, weights = FORMATS[fmt].read(config, weights)
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise UserError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
@@ -226,3 +294,32 @@ def read_files(path: Path) -> tuple[dict, dict]:
     except (SafetensorError, OSError) as e:
         raise UserError(f"{path}/model.safetensors is corrupt or truncated ({e})") from None
     return config, weights
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from speculators.config import exit_on_user_error
+
+    parser = argparse.ArgumentParser(prog="python -m speculators.export",
+                                     description="Convert a drafter export to another serving format.")
+    parser.add_argument("source", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--format", required=True, choices=sorted(FORMATS))
+    parser.add_argument("--target", help="the target's name_or_path, if the source format does not record it")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+
+    @exit_on_user_error
+    def convert() -> None:
+        drafter, verifier = load(args.source)
+        if not (args.target or verifier):
+            raise UserError(f"{args.source} does not name its target; pass --target")
+        record = Verifier.named(args.target or verifier)
+        print(save(drafter, args.out, record, args.overwrite, training_record(args.source), args.format))
+
+    convert()
+
+
+if __name__ == "__main__":
+    main()

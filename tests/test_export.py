@@ -159,3 +159,62 @@ def test_load_refuses_other_model_types_and_missing_files(llama_target, make_dra
     (out_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="medusa"):
         export.load(out_dir)
+
+
+# --- the original EAGLE-3 format (SGLang) and conversion between formats ------------------------
+
+
+def test_eagle3_original_format_round_trip_serves_identically(llama_target, make_drafter, text_batch, tmp_path):
+    from inference.engine import generate
+
+    drafter = trained_a_little(make_drafter(llama_target, ttt_steps=3), llama_target, text_batch).eval()
+    out_dir = export.save(drafter, tmp_path / "sglang", Verifier.of(llama_target), fmt="eagle3")
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": LAYER_IDS, "use_aux_hidden_state": True}
+    assert config["draft_vocab_size"] == DRAFT_VOCAB and config["vocab_size"] == llama_target.vocab_size
+    with safe_open(str(out_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "midlayer.self_attn.q_proj.weight" in names and not any(n.startswith("layers.") for n in names)
+    assert {"d2t", "t2d", "fc.weight", "norm.weight", "lm_head.weight"} <= names
+
+    loaded, verifier = export.load(out_dir)
+    assert verifier is None  # the format does not name its target
+    assert all(torch.equal(loaded.state_dict()[n], t) for n, t in drafter.state_dict().items())
+    prompt = text_batch[0, :12].tolist()
+    here, there = (generate(llama_target, d, prompt, 24, k=3) for d in (drafter, loaded.eval()))
+    assert here.tokens == there.tokens
+    assert (here.stats.num_drafts, here.stats.num_accepted_tokens, here.stats.accepted_at) == (
+        there.stats.num_drafts, there.stats.num_accepted_tokens, there.stats.accepted_at)
+
+
+def test_eagle3_original_format_refuses_what_it_cannot_hold(llama_target, make_drafter, tmp_path):
+    with pytest.raises(UserError, match="norm_before_residual"):
+        export.save(make_drafter(llama_target, norm_before_residual=True), tmp_path / "e", Verifier("v", []),
+                    fmt="eagle3")
+    with pytest.raises(UserError, match="unknown export format"):
+        export.save(make_drafter(llama_target), tmp_path / "e", Verifier("v", []), fmt="gguf")
+    assert not (tmp_path / "e").exists()
+
+
+def test_convert_command_between_formats(llama_dir, llama_target, make_drafter, tmp_path):
+    import subprocess
+    import sys
+
+    source = export.save(make_drafter(llama_target), tmp_path / "spec", Verifier.of(llama_target),
+                         training={"steps": 7})
+
+    def convert(*args):
+        return subprocess.run([sys.executable, "-m", "speculators.export", *map(str, args)], capture_output=True,
+                              text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+    to_sglang = convert(source, tmp_path / "sglang", "--format", "eagle3")
+    assert to_sglang.returncode == 0, to_sglang.stderr
+    back = convert(tmp_path / "sglang", tmp_path / "back", "--format", "speculators")
+    assert back.returncode != 0 and "--target" in back.stderr.splitlines()[-1]  # eagle3 does not name the target
+    back = convert(tmp_path / "sglang", tmp_path / "back", "--format", "speculators", "--target", llama_dir)
+    assert back.returncode == 0, back.stderr
+    assert file_bytes(tmp_path / "back")["model.safetensors"] == file_bytes(source)["model.safetensors"]
+    assert json.loads((tmp_path / "back" / "training.json").read_text()) == {"steps": 7}
+    again = convert(source, tmp_path / "sglang", "--format", "eagle3")
+    assert again.returncode != 0 and "overwrite" in again.stderr
