@@ -111,6 +111,8 @@ def measure(target, drafter, prompts: list[str], cfg: InferenceConfig) -> dict:
         "outputs_match_baseline": all(r["matches_baseline"] for r in rows) if cfg.temperature == 0 else None,
         "prompts": rows,
         "config": asdict(cfg),
+        "target": target.name_or_path,
+        "target_layer_ids": target.layer_ids,
         "git_revision": git_revision(),
         "machine": machine(),
     }
