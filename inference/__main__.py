@@ -19,7 +19,9 @@ def main(cfg: DictConfig) -> None:
     cfg = to_dataclass(report.InferenceConfig, cfg)
     drafter, target = report.load_pair(cfg.drafter, cfg.target)
     result = report.measure(target, drafter, report.load_prompts(cfg), cfg)
-    path = report.write(result, Path(cfg.out or HydraConfig.get().runtime.output_dir))
+    out_dir = Path(cfg.out or HydraConfig.get().runtime.output_dir)
+    path = report.write(result, out_dir)
+    report.log_to_wandb(result, cfg.logger, out_dir)
     print(f"report: {path}")
 
 

@@ -18,6 +18,7 @@ from inference.drafting import DraftingConfig
 from inference.engine import Stats, check_pair, generate
 from speculators import corpus
 from speculators.config import UserError, at_least
+from train.run import LoggerConfig, wandb_mode
 
 
 @dataclass
@@ -33,6 +34,7 @@ class InferenceConfig:
     drafting: DraftingConfig = field(default_factory=DraftingConfig)
     seed: int = 0
     out: str | None = None  # None: the Hydra run directory
+    logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(kind="none"))  # kind=wandb to log the report
 
     def __post_init__(self):
         at_least(0, num_speculative_tokens=self.num_speculative_tokens, temperature=self.temperature)
@@ -157,6 +159,23 @@ def write(report: dict, out_dir: Path) -> Path:
     plt.close(fig)
     print(table(report))
     return out_dir / "report.json"
+
+
+def log_to_wandb(report: dict, cfg: LoggerConfig, out_dir: Path) -> None:
+    """The report's figures, its acceptance curve and report.json in a W&B run (offline unless configured)."""
+    if cfg.kind == "none":
+        return
+    import wandb
+
+    run = wandb.init(project=cfg.project, name=cfg.name or out_dir.name, dir=str(out_dir), mode=wandb_mode(cfg),
+                     config=report["config"], job_type="acceptance-report")
+    run.summary.update({key: report[key] for key in ("acceptance_length", "tokens_per_second",
+                                                     "baseline_tokens_per_second", "speedup", "outputs_match_baseline")})
+    curve = wandb.Table(data=list(enumerate(report["acceptance_rate_per_position"], 1)),
+                        columns=["position", "acceptance_rate"])
+    run.log({"acceptance_curve": wandb.plot.line(curve, "position", "acceptance_rate", title="acceptance per position")})
+    run.save(str(out_dir / "report.json"), base_path=str(out_dir))
+    run.finish()
 
 
 def table(report: dict) -> str:
