@@ -195,3 +195,83 @@ def make_proposer(drafter, k: int, vocab_size: int, max_len: int, drafting: Draf
                         f"allowed: {', '.join(modes(drafter))}")
     kind = getattr(drafter, "drafting_kind", "autoregressive")
     return PROPOSERS[kind, drafting.mode](drafter, k, vocab_size, max_len, drafting)
+
+
+class ParallelProposer:
+    """P-EAGLE (speculators.peagle): one drafter pass per draft. `accept` only records the
+    verified positions; `propose` appends them to the drafter's caches and, in the same pass,
+    reads the k drafts off the last verified position and k-1 mask positions after it (the
+    drafter crops those again). The drafts do not condition on each other, so a chain's
+    tokens come from k independent distributions: argmax each (greedy), or sample each from
+    q in the target vocabulary (rejection sampling stays lossless for any q)."""
+
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
+        self.drafter, self.k, self.vocab_size = drafter, k, vocab_size
+        self.to_target = drafter.draft_to_target  # draft id -> target id, once per generation
+        self.cache = drafter.new_cache(1, max_len)
+
+    def prefill(self, prompt: list[int], token: int, target_out: TargetOutput) -> None:
+        self.accept(prompt[1:] + [token], target_out)
+
+    def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
+        self.verified = torch.tensor([new_tokens]), self.drafter.features(target_out)
+
+    def propose(self, temperature: float, generator: torch.Generator) -> Draft:
+        logits = self.drafter.draft(self.cache, *self.verified, self.k)
+        if temperature == 0:
+            return Draft.chain(self.to_target[logits.argmax(-1)].tolist())
+        q = torch.stack([draft_distribution(self.to_target, self.vocab_size, row, temperature) for row in logits])
+        return Draft.chain(torch.multinomial(q, 1, generator=generator)[:, 0].tolist(), q)
+
+
+PROPOSERS["parallel", "chain"] = ParallelProposer
+
+
+class MedusaChainProposer:
+    """Medusa (speculators.medusa), a chain: draft i comes from head i at the last verified
+    position (whose next token is the bonus token just emitted, so head i drafts the token i
+    after it). No drafter cache: the heads read that one position's last hidden state. The
+    drafts do not condition on each other: argmax each (greedy), or sample each from its
+    head's tempered softmax, q over the target vocabulary (Medusa's is the target's)."""
+
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
+        if k > drafter.num_speculative_tokens:
+            raise UserError(f"num_speculative_tokens={k} is not valid: a Medusa drafter with "
+                            f"{drafter.num_speculative_tokens} heads drafts at most {drafter.num_speculative_tokens}")
+        self.drafter, self.k = drafter, k
+
+    def prefill(self, prompt: list[int], token: int, target_out: TargetOutput) -> None:
+        self.accept([token], target_out)
+
+    def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
+        self.logits = self.drafter.head_logits(target_out.last_hidden[:, -1])[0, : self.k]  # [k, V]
+
+    def propose(self, temperature: float, generator: torch.Generator) -> Draft:
+        if temperature == 0:
+            return Draft.chain(self.logits.argmax(-1).tolist())
+        q = torch.softmax(self.logits / temperature, -1)
+        return Draft.chain(torch.multinomial(q, 1, generator=generator)[:, 0].tolist(), q)
+
+
+class MedusaTreeProposer(MedusaChainProposer):
+    """Medusa's candidate tree, greedy verification: the drafter's `tree_choices`, where path
+    [r_1, ..., r_d] is the node holding head d's r_d-th best token (0 = argmax), child of
+    [r_1, ..., r_{d-1}]. Kept: the paths no deeper than k and, of those, the first
+    `tree_total_tokens` in the config's order (parents are listed first, so every prefix is a
+    tree), the number of nodes the engine makes room for in its verify pass."""
+
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
+        super().__init__(drafter, k, vocab_size, max_len, drafting)
+        kept = [tuple(path) for path in drafter.cfg.tree_choices if len(path) <= k][: drafting.tree_total_tokens]
+        self.paths = sorted(kept, key=lambda path: (len(path), path))  # by depth: parents before children
+        node = {path: i for i, path in enumerate(self.paths)}
+        self.parents = [node[path[:-1]] if len(path) > 1 else -1 for path in self.paths]
+        self.ranks = 1 + max(max(path) for path in self.paths)  # candidates needed per head
+
+    def propose(self, temperature: float, generator: torch.Generator) -> Draft:
+        best = self.logits.topk(self.ranks, dim=-1).indices.tolist()  # [k, ranks]: head i's candidates, best first
+        return Draft([best[len(path) - 1][path[-1]] for path in self.paths], list(self.parents))
+
+
+PROPOSERS["heads", "chain"] = MedusaChainProposer
+PROPOSERS["heads", "tree"] = MedusaTreeProposer

@@ -21,6 +21,10 @@ intact), no silent overwrite, and refusing corrupt or truncated files.
   {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state}; weights as the speculators
   format with `midlayer.*` for `layers.0.*`. It does not name the target (serve it with
   target=...) and has no norm_before_residual=true.
+- medusa (FasterDecoding/Medusa): config.json with medusa_num_heads, medusa_num_layers and
+  base_model_name_or_path (plus hidden_size and vocab_size, which vLLM's Medusa config reads,
+  and medusa_choices, the candidate tree served); head k's weights are
+  `{k}.{layer}.linear.{weight,bias}` (ResBlocks) and `{k}.{num_layers}.weight` (its lm_head).
 
 Any export converts to another format that can hold the drafter:
     python -m speculators.export SRC OUT --format eagle3
@@ -186,6 +190,39 @@ def read_eagle3(config: dict, weights: dict):
     return drafter, {name.replace("midlayer.", "layers.0.", 1): t for name, t in weights.items()}
 
 
+def write_medusa(drafter, verifier: Verifier) -> tuple[dict, dict]:
+    from speculators.medusa import MedusaDrafter
+
+    if not isinstance(drafter, MedusaDrafter):
+        raise UserError(f"the Medusa format holds Medusa drafters, not {type(drafter).__name__}")
+    config = {
+        "medusa_num_heads": drafter.cfg.num_heads,
+        "medusa_num_layers": drafter.cfg.num_layers,
+        "base_model_name_or_path": verifier.name_or_path,
+        "hidden_size": drafter.target_hidden_size,
+        "vocab_size": len(drafter.t2d),
+        "medusa_choices": drafter.cfg.tree_choices,
+        "torch_dtype": "float32",
+    }
+    return config, {name.removeprefix("heads."): t for name, t in drafter.state_dict().items()}
+
+
+def read_medusa(config: dict, weights: dict):
+    """Shaped by head 0's vocabulary projection [V, H], so Medusa's own exports (which record
+    neither size) read too; without medusa_choices the drafter gets the default tree."""
+    from speculators.medusa import MedusaConfig, MedusaDrafter
+
+    layers = config["medusa_num_layers"]
+    projection = weights.get(f"0.{layers}.weight")
+    if projection is None:
+        raise UserError(f"a Medusa export with medusa_num_layers={layers} needs the weight '0.{layers}.weight' "
+                        f"(head 0's vocabulary projection)")
+    tree = {"tree_choices": config["medusa_choices"]} if "medusa_choices" in config else {}
+    cfg = MedusaConfig(num_heads=config["medusa_num_heads"], num_layers=layers, **tree)
+    vocab_size, hidden_size = projection.shape
+    return MedusaDrafter(cfg, hidden_size, vocab_size), {f"heads.{name}": t for name, t in weights.items()}
+
+
 class Format(NamedTuple):
     write: Callable  # (drafter, Verifier) -> (config, weights in the format's names)
     read: Callable  # (config, weights) -> (an empty drafter shaped by config, weights in the drafter's names)
@@ -198,6 +235,7 @@ FORMATS = {
                           lambda config: config["speculators_config"]["verifier"]["name_or_path"]),
     "eagle": Format(write_eagle, read_eagle, lambda config: config["base_model_name_or_path"]),
     "eagle3": Format(write_eagle3, read_eagle3, lambda config: None),  # the format does not name its target
+    "medusa": Format(write_medusa, read_medusa, lambda config: config["base_model_name_or_path"]),
 }
 
 
@@ -205,6 +243,8 @@ def format_of(config: dict) -> str | None:
     """Which format wrote this config.json."""
     if "speculators_model_type" in config:
         return "speculators"
+    if "medusa_num_heads" in config:
+        return "medusa"
     if config.get("architectures") == ["LlamaForCausalLMEagle3"]:
         return "eagle3"
     # EAGLE-1: the plain one-layer Llama config EAGLE writes, naming its base model as ours do.

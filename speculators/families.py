@@ -3,8 +3,10 @@
 from speculators.config import one_of
 from speculators.eagle import EagleDrafter
 from speculators.eagle3 import Eagle3Drafter
+from speculators.medusa import MedusaDrafter
+from speculators.peagle import PEagleDrafter
 
-FAMILIES = {"eagle": EagleDrafter, "eagle3": Eagle3Drafter}
+FAMILIES = {"eagle": EagleDrafter, "eagle3": Eagle3Drafter, "peagle": PEagleDrafter, "medusa": MedusaDrafter}
 
 
 def family(name: str):

@@ -51,7 +51,7 @@ def test_inference_configs_map_onto_their_dataclasses(name, cls):
     ("target.dtype=int3", "target.dtype"),
     ("drafter.ttt_steps=0", "drafter.ttt_steps"),
     ("drafter.step_decay=0", "drafter.step_decay"),
-    ("drafter.family=medusa", "drafter.family"),
+    ("drafter.family=lookahead", "drafter.family"),
     ("serve_eval.max_new_tokens=0", "serve_eval.max_new_tokens"),
     ("+trainer.epochs=3", "trainer.epochs"),
     ("+drafter.layers=2", "drafter.layers"),

@@ -1,0 +1,338 @@
+"""P-EAGLE, parallel drafting (issue #5): model, conditional drop-token training, loss and config.
+
+An EAGLE-3-style drafter that proposes all K draft tokens in one forward pass. Position t
+reads token t+1 and the target's features of t, as in EAGLE; the drafter runs K depths
+d = 0..K-1 at every anchor t:
+
+    depth 0:      token x_{t+1}     hidden fc([h_low; h_mid; h_high]_t)   (the real features)
+    depth d >= 1: mask_token_id     hidden fc(mask_hidden)                (both learned, shared)
+
+at rotary position t+d; depth d is trained on the target's distribution at t+1+d (it
+drafts token t+2+d). A query (t, d) sees the depth-0 keys of positions <= t and its own
+chain (t, d') for d' <= d: the shape of EAGLE-3's training-time test, so
+`eagle3.ttt_attention` computes it. No input of depth d depends on another depth's output,
+so training computes every depth in one pass. mask_hidden [1, 1, n_aux*H] stands where the
+target's concatenated features stand and goes through fc like them (speculators and vLLM do
+the same: vLLM's proposer fuses it with the drafter's own fc).
+
+Layers (as speculators and vLLM build multi-layer EAGLE-3 drafters): layer 0 is EAGLE-3's,
+attention over concat(input_layernorm(embed), hidden_norm(h)), 2H wide, residual h; layers
+1.. are plain Llama decoder layers over the hidden stream. Own final norm and lm_head over a
+reduced draft vocabulary (d2t/t2d); the target's embeddings, frozen.
+
+The mask token's embedding is learned. P-EAGLE has no separate embedding for it: it is row
+mask_token_id of embed_tokens, which speculators trains with the whole table
+(embed_requires_grad). Here only that row learns (`mask_embedding`, H values instead of an
+optimizer state over V x H); the state dict folds it into embed_tokens.weight, so an export
+carries it where vLLM reads it (it embeds mask_token_id with the drafter's embed_tokens).
+Every occurrence of mask_token_id gets it, so pick an id the data does not use: by default
+the least frequent token of the training data (the highest id among the unused ones, e.g.
+Qwen's padded rows beyond the tokenizer, Llama-3's reserved tokens).
+
+Conditional drop-token (COD) sampling keeps depth d >= 1 of an anchor with probability
+p_d = max(r^d, r_min) (r = keep_ratio, r_min = min_keep), and only if depth d-1 of that
+anchor is kept: one uniform u per anchor, kept at depth d iff u < p_d. p_d does not grow
+with d, so the kept sets are nested and P(keep d | keep d-1) = p_d / p_{d-1}. Dropped rows
+are not computed at all: the layers run over the kept (depth, anchor) rows only, and the
+attention scatters them into per-depth [B, heads, T, d] tensors for ttt_attention (a kept
+row's chain is kept, so no kept query reads a dropped row). Validation (eval mode) keeps
+every row. The draws use the global torch RNG, which checkpoints restore.
+
+Loss: the sum over depths, without decay, of the mean soft cross-entropy to the target's
+distribution restricted to the draft vocab and renormalised (kernels.distill_loss), over
+kept rows whose drafted token is loss-masked and whose target argmax is in the draft vocab.
+
+Serving (drafting_kind "parallel"): `draft` appends the m verified positions to every
+layer's cache and, in the same pass, k-1 mask positions after them with causal attention (a
+single chain, so causal is the rule above); the logits of the last verified position and the
+mask positions are the k drafts; the mask positions are then cropped from the caches.
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+
+from kernels import distill_loss
+from speculators import draft_vocab
+from speculators.config import UserError, at_least, require
+from speculators.eagle3 import (
+    Eagle3Attention,
+    Eagle3DecoderLayer,
+    Eagle3Drafter,
+    layer_config,
+    shift_left,
+    ttt_attention,
+)
+from speculators.layers import KVCache, RMSNorm, SwiGLU, rope_theta, rotary
+from speculators.target import FrozenTarget, TargetOutput
+
+
+@dataclass
+class PEagleConfig:
+    family: str = "peagle"
+    num_speculative_tokens: int = 5  # K: tokens drafted in one pass (depths 0..K-1)
+    num_layers: int = 2  # decoder layers (P-EAGLE uses 2 to 4)
+    draft_vocab_size: int = 32000
+    keep_ratio: float = 0.7  # r: training keeps depth d >= 1 of a fraction max(r^d, min_keep) of anchors
+    min_keep: float = 0.2  # r_min
+    norm_before_residual: bool = False  # True: layer 0's residual carries hidden_norm(h) instead of h
+    mask_token_id: int | None = None  # input token of depths >= 1; None: the least frequent token of the training data
+
+    def __post_init__(self):
+        at_least(1, drafter__num_speculative_tokens=self.num_speculative_tokens, drafter__num_layers=self.num_layers,
+                 drafter__draft_vocab_size=self.draft_vocab_size)
+        require(0 < self.keep_ratio <= 1, "drafter.keep_ratio", self.keep_ratio, "in (0, 1]")
+        require(0 <= self.min_keep <= 1, "drafter.min_keep", self.min_keep, "in [0, 1]")
+        if self.mask_token_id is not None:
+            at_least(0, drafter__mask_token_id=self.mask_token_id)
+
+    def keep_probability(self, depth: int) -> float:
+        return 1.0 if depth == 0 else max(self.keep_ratio**depth, self.min_keep)
+
+
+class PEagleDecoderLayer(nn.Module):
+    """Layers 1..: a Llama decoder layer over the hidden stream; token embeddings enter layer 0 only."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Eagle3Attention(c, c.hidden_size)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor):
+        """(residual, attention input), as Eagle3DecoderLayer.attention_input; `embeds` is not read."""
+        return hidden, self.input_layernorm(hidden)
+
+    finish = Eagle3DecoderLayer.finish  # o_proj, residual add, MLP
+
+
+class LayerCaches(list):
+    """One speculators.layers.KVCache per decoder layer, grown and cropped together."""
+
+    @property
+    def length(self) -> int:
+        return self[0].length
+
+    def crop(self, length: int) -> None:
+        for cache in self:
+            cache.crop(length)
+
+
+class PEagleDrafter(nn.Module):
+    config_class = PEagleConfig
+    export_format = "speculators"
+    speculators_model_type = "peagle"
+    drafting_kind = "parallel"  # all k drafts from one drafter pass (inference.drafting.ParallelProposer)
+
+    def __init__(self, cfg: PEagleConfig, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
+        super().__init__()
+        self.cfg, self.layer_cfg, self.layer_ids = cfg, layer_cfg, list(layer_ids)
+        H, V, N = layer_cfg.hidden_size, layer_cfg.vocab_size, cfg.draft_vocab_size
+        if N > V:
+            raise UserError(f"draft_vocab_size={N} is larger than the target's vocabulary ({V})")
+        require(cfg.mask_token_id is not None and 0 <= cfg.mask_token_id < V, "drafter.mask_token_id",
+                cfg.mask_token_id, f"a token id in 0..{V - 1} (the target's vocabulary)")
+        n_aux = len(layer_ids) * target_hidden_size
+        self.embed_tokens = nn.Embedding(V, H).requires_grad_(False)  # the target's, frozen
+        self.mask_embedding = nn.Parameter(torch.zeros(H))  # row mask_token_id of embed_tokens, learned
+        self.mask_hidden = nn.Parameter(torch.zeros(1, 1, n_aux))  # the features depths >= 1 read
+        self.fc = nn.Linear(n_aux, H, bias=False)
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(layer_cfg, cfg.norm_before_residual)]
+                                    + [PEagleDecoderLayer(layer_cfg) for _ in range(cfg.num_layers - 1)])
+        self.norm = RMSNorm(H, layer_cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, N, bias=False)
+        self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
+        self._rotary = None  # serving-time cos/sin table (rotary_table)
+        self.register_state_dict_post_hook(fold_mask_embedding)
+        self.register_load_state_dict_pre_hook(unfold_mask_embedding)
+
+    @classmethod
+    def from_target(cls, cfg: PEagleConfig, target: FrozenTarget, token_counts: torch.Tensor) -> "PEagleDrafter":
+        """A drafter for `target`: its embeddings (frozen; the mask token's row starts as the target's),
+        its lm_head rows of the draft vocab as a start."""
+        if cfg.mask_token_id is None:
+            cfg = replace(cfg, mask_token_id=least_frequent(token_counts))
+        layer_cfg = layer_config(target)
+        layer_cfg.num_hidden_layers = cfg.num_layers
+        drafter = cls(cfg, layer_cfg, target.layer_ids, target.hidden_size)
+        drafter.d2t, drafter.t2d = draft_vocab.build(token_counts, cfg.draft_vocab_size)
+        with torch.no_grad():
+            drafter.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
+            drafter.mask_embedding.copy_(drafter.embed_tokens.weight[cfg.mask_token_id])
+            drafter.lm_head.weight.copy_(target.model.get_output_embeddings().weight[drafter.draft_to_target].float())
+        return drafter
+
+    @classmethod
+    def from_speculators_config(cls, config: dict, layer_cfg: LlamaConfig) -> "PEagleDrafter":
+        """An empty drafter shaped by an export's config.json (speculators.export reads the weights)."""
+        drafts = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        cfg = PEagleConfig(num_speculative_tokens=drafts, num_layers=layer_cfg.num_hidden_layers,
+                           draft_vocab_size=config["draft_vocab_size"], keep_ratio=config["down_sample_ratio"],
+                           min_keep=config["down_sample_ratio_min"],
+                           norm_before_residual=config["norm_before_residual"], mask_token_id=config["mask_token_id"])
+        return cls(cfg, layer_cfg, config["eagle_aux_hidden_state_layer_ids"], config["target_hidden_size"])
+
+    def speculators_extra_config(self) -> dict:
+        """vLLM reads mask_token_id (its P-EAGLE config maps it to the proposer's mask token); the
+        drop-token ratios, under speculators' names, record how the drafter was trained."""
+        return {"mask_token_id": self.cfg.mask_token_id, "down_sample_ratio": self.cfg.keep_ratio,
+                "down_sample_ratio_min": self.cfg.min_keep}
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.cfg.num_speculative_tokens
+
+    @property
+    def target_hidden_size(self) -> int:
+        return self.fc.in_features // len(self.layer_ids)
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        return draft_vocab.target_ids(self.d2t)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's embeddings, with the learned mask embedding wherever mask_token_id stands."""
+        is_mask = (tokens == self.cfg.mask_token_id).unsqueeze(-1)
+        return torch.where(is_mask, self.mask_embedding, self.embed_tokens(tokens))
+
+    def features(self, target_out: TargetOutput) -> torch.Tensor:
+        """Hidden inputs of verified positions: the fused low/mid/high target features."""
+        return self.fc(torch.cat(target_out.aux_hidden, dim=-1))
+
+    def mask_feature(self) -> torch.Tensor:
+        """[1, 1, H]: the hidden input of every depth >= 1, fused through fc like real features."""
+        return self.fc(self.mask_hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    # --- training ---------------------------------------------------------------------------------
+
+    def kept_rows(self, batch: int, length: int, device=None) -> torch.Tensor:
+        """keep [K, B, T] bool: which (depth, anchor) rows a training step computes (module doc).
+        Every row in eval mode; COD sampling from the global RNG in training."""
+        K = self.num_speculative_tokens
+        if not self.training:
+            return torch.ones(K, batch, length, dtype=torch.bool, device=device)
+        u = torch.rand(batch, length, device=device)
+        p = torch.tensor([self.cfg.keep_probability(d) for d in range(K)], device=device)
+        return u[None] < p[:, None, None]
+
+    def parallel_forward(self, target_out: TargetOutput, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits [P, N] of the kept rows (keep [K, B, T], depth 0 all kept), ordered
+        by depth, then batch row, then anchor: row (d, b, t) drafts token t+2+d of row b."""
+        depth, _, anchor = keep.nonzero(as_tuple=True)
+        deeper = len(depth) - keep[0].numel()  # depth 0 comes first, every anchor in (b, t) order
+        tokens = torch.cat([shift_left(input_ids, 1).flatten(),
+                            input_ids.new_full((deeper,), self.cfg.mask_token_id)])
+        hidden = torch.cat([self.features(target_out).flatten(0, 1), self.mask_feature()[0].expand(deeper, -1)])
+        cos, sin = rotary(anchor + depth, self.layer_cfg.head_dim, rope_theta(self.layer_cfg))
+        embeds, hidden = self.embed(tokens)[None], hidden[None]
+        for layer in self.layers:
+            residual, x = layer.attention_input(embeds, hidden)
+            q, k, v = layer.self_attn.qkv(x, cos, sin)
+            hidden = layer.finish(residual, chain_attention(q, k, v, keep))
+        return self.logits(hidden[0])
+
+    def training_loss(self, target_out: TargetOutput, input_ids: torch.Tensor, loss_mask: torch.Tensor):
+        """Sum over depths of the soft cross-entropy to the target's renormalised draft-vocab
+        distribution (module doc); metrics loss_step{d} and acc_step{d} (draft argmax == target
+        argmax over the kept rows whose drafted token is loss-masked) for every depth."""
+        B, T = input_ids.shape
+        keep = self.kept_rows(B, T, input_ids.device)
+        logits = self.parallel_forward(target_out, input_ids, keep)
+        depth, row, anchor = keep.nonzero(as_tuple=True)
+        learned = (anchor + 1 + depth).clamp(max=T - 1)  # the target position whose distribution row learns
+        counted = (anchor + 2 + depth < T) & loss_mask[row, (learned + 1).clamp(max=T - 1)].bool()
+        target_argmax = target_out.logits.argmax(-1)[row, learned]
+        trained = counted & self.t2d[target_argmax]
+        # Restricted to the draft vocab before gathering rows, so no [P, V] copy is made.
+        target_logits = target_out.logits[..., self.draft_to_target][row, learned]
+        soft_ce = distill_loss(logits, target_logits, torch.arange(logits.shape[-1], device=logits.device), trained,
+                               kind="soft_ce")
+        hits = (self.draft_to_target[logits.argmax(-1)] == target_argmax) & counted
+        loss, metrics = 0.0, {}
+        for d in range(self.num_speculative_tokens):
+            at_depth = depth == d
+            step_loss = (soft_ce * (trained & at_depth)).sum() / (trained & at_depth).sum().clamp(min=1)
+            loss = loss + step_loss
+            metrics[f"loss_step{d}"] = step_loss.detach()
+            metrics[f"acc_step{d}"] = (hits & at_depth).sum() / (counted & at_depth).sum().clamp(min=1)
+        return loss, metrics
+
+    # --- serving ----------------------------------------------------------------------------------
+
+    rotary_table = Eagle3Drafter.rotary_table  # cos/sin computed once per growth, as EAGLE-3 serves
+
+    def new_cache(self, batch: int, max_len: int, device=None) -> LayerCaches:
+        c = self.layer_cfg
+        return LayerCaches(KVCache(batch, c.num_attention_heads, max_len, c.head_dim, device) for _ in self.layers)
+
+    @torch.no_grad()
+    def draft(self, cache: LayerCaches, tokens: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """Append m verified positions (tokens [1, m], `features` [1, m, H]) to the caches and draft
+        k tokens in the same pass: draft-vocab logits [k, N] of the last verified position and of
+        k-1 mask positions after it, which are cropped from the caches afterwards."""
+        start, m, masks = cache.length, tokens.shape[1], k - 1
+        tokens = torch.cat([tokens, tokens.new_full((1, masks), self.cfg.mask_token_id)], dim=1)
+        hidden = torch.cat([hidden, self.mask_feature().expand(1, masks, -1)], dim=1)
+        end = start + m + masks
+        cos, sin = (table[start:end] for table in self.rotary_table(end))
+        positions = torch.arange(end, device=tokens.device)
+        causal = positions[None, :] <= positions[start:, None]
+        embeds = self.embed(tokens)
+        for layer, layer_cache in zip(self.layers, cache):
+            residual, x = layer.attention_input(embeds, hidden)
+            q, new_keys, new_values = layer.self_attn.qkv(x, cos, sin)
+            keys, values = layer_cache.append(new_keys, new_values)
+            hidden = layer.finish(residual, F.scaled_dot_product_attention(q, keys, values, attn_mask=causal))
+        cache.crop(start + m)
+        return self.logits(hidden[0, m - 1:])
+
+
+def chain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Attention of the kept rows q, k, v [1, heads, P, d] (ordered as parallel_forward orders
+    them) under P-EAGLE's rule, by ttt_attention over dense per-depth [B, heads, T, d] tensors
+    into which the rows are scattered. Dropped rows stay zero and are never read: the chain of
+    a kept row is kept."""
+    counts = keep.flatten(1).sum(1).tolist()
+    dense = [[scatter(part, mask) for part, mask in zip(x[0].split(counts, dim=1), keep)] for x in (q, k, v)]
+    out = [gather(ttt_attention(dense[0][d], dense[1][: d + 1], dense[2][: d + 1]), keep[d]) for d in range(len(keep))]
+    return torch.cat(out, dim=1)[None]
+
+
+def scatter(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """rows [heads, n, d] -> [B, heads, T, d], zeros where mask [B, T] is false."""
+    heads, _, d = rows.shape
+    dense = rows.new_zeros(*mask.shape, heads, d)
+    dense[mask] = rows.transpose(0, 1)
+    return dense.transpose(1, 2)
+
+
+def gather(dense: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, heads, T, d] -> the rows where mask [B, T] is true, [heads, n, d]."""
+    return dense.transpose(1, 2)[mask].transpose(0, 1)
+
+
+def least_frequent(token_counts: torch.Tensor) -> int:
+    """The default mask token: the least frequent id of the training data, the highest among ties."""
+    return len(token_counts) - 1 - int(torch.argmin(token_counts.flip(0)))
+
+
+def fold_mask_embedding(module: PEagleDrafter, state_dict: dict, prefix: str, _metadata) -> None:
+    """state_dict() post-hook: write the learned mask embedding into a copy of embed_tokens.weight."""
+    table = state_dict[prefix + "embed_tokens.weight"].detach().clone()
+    table[module.cfg.mask_token_id] = state_dict.pop(prefix + "mask_embedding").detach()
+    state_dict[prefix + "embed_tokens.weight"] = table
+
+
+def unfold_mask_embedding(module: PEagleDrafter, state_dict: dict, prefix: str, *_) -> None:
+    """load_state_dict() pre-hook: read the mask embedding back from its row."""
+    table = state_dict.get(prefix + "embed_tokens.weight")
+    if table is not None:
+        state_dict[prefix + "mask_embedding"] = table[module.cfg.mask_token_id]
