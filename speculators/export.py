@@ -154,8 +154,6 @@ EAGLE3_FORMAT_KEYS = ("architectures", "model_type", "draft_vocab_size", "target
 
 def write_eagle3(drafter, verifier: Verifier) -> tuple[dict, dict]:
     """The original EAGLE-3 layout SGLang (and vLLM) load: the decoder layer is `midlayer`."""
-    if drafter.speculators_model_type != "eagle3":
-        raise UserError(f"the original EAGLE-3 format holds EAGLE-3 drafters, not {type(drafter).__name__}")
     if drafter.cfg.norm_before_residual:
         raise UserError("the original EAGLE-3 format has no norm_before_residual=true (SGLang would silently "
                         "compute the other residual); export this drafter in the speculators format")
@@ -191,10 +189,6 @@ def read_eagle3(config: dict, weights: dict):
 
 
 def write_medusa(drafter, verifier: Verifier) -> tuple[dict, dict]:
-    from speculators.medusa import MedusaDrafter
-
-    if not isinstance(drafter, MedusaDrafter):
-        raise UserError(f"the Medusa format holds Medusa drafters, not {type(drafter).__name__}")
     config = {
         "medusa_num_heads": drafter.cfg.num_heads,
         "medusa_num_layers": drafter.cfg.num_layers,
@@ -224,18 +218,22 @@ def read_medusa(config: dict, weights: dict):
 
 
 class Format(NamedTuple):
+    families: tuple[str, ...]  # the drafter families it can hold
     write: Callable  # (drafter, Verifier) -> (config, weights in the format's names)
     read: Callable  # (config, weights) -> (an empty drafter shaped by config, weights in the drafter's names)
     verifier: Callable  # config -> the target's name_or_path it records, or None
+    weights_file: str = "model.safetensors"
 
 
 # A drafter class names its format in `export_format`.
 FORMATS = {
-    "speculators": Format(write_speculators, read_speculators,
+    "speculators": Format(("eagle3", "peagle"), write_speculators, read_speculators,
                           lambda config: config["speculators_config"]["verifier"]["name_or_path"]),
-    "eagle": Format(write_eagle, read_eagle, lambda config: config["base_model_name_or_path"]),
-    "eagle3": Format(write_eagle3, read_eagle3, lambda config: None),  # the format does not name its target
-    "medusa": Format(write_medusa, read_medusa, lambda config: config["base_model_name_or_path"]),
+    "eagle": Format(("eagle",), write_eagle, read_eagle, lambda config: config["base_model_name_or_path"]),
+    "eagle3": Format(("eagle3",), write_eagle3, read_eagle3, lambda config: None),  # it does not name its target
+    # Medusa's loaders (FasterDecoding/Medusa, TGI, TensorRT-LLM) look for this file name.
+    "medusa": Format(("medusa",), write_medusa, read_medusa, lambda config: config["base_model_name_or_path"],
+                     "medusa_lm_head.safetensors"),
 }
 
 
@@ -262,14 +260,17 @@ def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, tr
     fmt = fmt or drafter.export_format
     if fmt not in FORMATS:
         raise UserError(f"unknown export format {fmt!r}; allowed: {', '.join(FORMATS)}")
+    if drafter.cfg.family not in FORMATS[fmt].families:
+        raise UserError(f"the {fmt} format holds {', '.join(FORMATS[fmt].families)} drafters, not {drafter.cfg.family}")
     config, weights = FORMATS[fmt].write(drafter, verifier)  # validates before anything is written
     out_dir = Path(out_dir)
     check_writable(out_dir, overwrite)
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    save_file({name: t.detach().cpu().contiguous() for name, t in weights.items()}, partial / "model.safetensors")
-    (partial / "model.safetensors").chmod(0o644)  # safetensors writes 0600; serving often runs as another user
+    weights_file = partial / FORMATS[fmt].weights_file
+    save_file({name: t.detach().cpu().contiguous() for name, t in weights.items()}, weights_file)
+    weights_file.chmod(0o644)  # safetensors writes 0600; serving often runs as another user
     (partial / "config.json").write_text(json.dumps(config, indent=2))
     if training is not None:
         (partial / "training.json").write_text(json.dumps(training, indent=2))
@@ -301,12 +302,13 @@ def check_writable(out_dir: Path, overwrite: bool) -> None:
 
 def load(path: Path) -> tuple[torch.nn.Module, str | None]:
     """(drafter, the verifier's name_or_path its config records) from an export of any supported format."""
-    config, weights = read_files(Path(path))
+    path = Path(path)
+    config = read_config(path)
     fmt = format_of(config)
     if fmt is None:
         raise UserError(f"{path}: config.json is not in a drafter format this project reads "
                         f"(supported: {', '.join(FORMATS)})")
-    drafter, weights = FORMATS[fmt].read(config, weights)
+    drafter, weights = FORMATS[fmt].read(config, read_weights(path / FORMATS[fmt].weights_file))
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise UserError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
@@ -319,21 +321,26 @@ def training_record(path: Path) -> dict | None:
     return json.loads(record.read_text()) if record.is_file() else None
 
 
-def read_files(path: Path) -> tuple[dict, dict]:
-    """config.json and model.safetensors, refusing missing, truncated or corrupt files by name."""
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise UserError(f"{path} is not a drafter export (needs config.json and model.safetensors)")
+def read_config(path: Path) -> dict:
+    """config.json of an export, refusing a missing, truncated or corrupt file by name."""
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path} is not a drafter export (no config.json)")
     try:
         config = json.loads((path / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path}/config.json is corrupt or truncated ({e})") from None
     if not isinstance(config, dict):
         raise UserError(f"{path}/config.json is corrupt: it holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def read_weights(file: Path) -> dict:
+    if not file.is_file():
+        raise UserError(f"{file.parent} is not a complete drafter export (no {file.name})")
     try:
-        weights = load_file(path / "model.safetensors")
+        return load_file(file)
     except (SafetensorError, OSError) as e:
-        raise UserError(f"{path}/model.safetensors is corrupt or truncated ({e})") from None
-    return config, weights
+        raise UserError(f"{file} is corrupt or truncated ({e})") from None
 
 
 def main(argv: list[str] | None = None) -> None:

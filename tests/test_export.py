@@ -192,6 +192,12 @@ def test_eagle3_original_format_refuses_what_it_cannot_hold(llama_target, make_d
     with pytest.raises(UserError, match="norm_before_residual"):
         export.save(make_drafter(llama_target, norm_before_residual=True), tmp_path / "e", Verifier("v", []),
                     fmt="eagle3")
+    from speculators.medusa import MedusaConfig, MedusaDrafter
+
+    medusa = MedusaDrafter(MedusaConfig(num_heads=2), llama_target.hidden_size, llama_target.vocab_size)
+    for fmt in ("speculators", "eagle3", "eagle"):
+        with pytest.raises(UserError, match=f"the {fmt} format holds .* not medusa"):
+            export.save(medusa, tmp_path / "e", Verifier("v", []), fmt=fmt)
     with pytest.raises(UserError, match="unknown export format"):
         export.save(make_drafter(llama_target), tmp_path / "e", Verifier("v", []), fmt="gguf")
     assert not (tmp_path / "e").exists()

@@ -181,7 +181,8 @@ def test_export_round_trip_gives_back_a_drafter_that_serves_identically(target, 
     assert config["medusa_num_heads"] == K and config["medusa_num_layers"] == 2
     assert config["base_model_name_or_path"] == target.name_or_path and config["medusa_choices"] == TREE
     assert config["hidden_size"] == target.hidden_size and config["vocab_size"] == target.vocab_size
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "medusa_lm_head.safetensors"]  # Medusa's name
+    with safe_open(str(path / "medusa_lm_head.safetensors"), "pt") as f:
         names = set(f.keys())
     assert names == {f"{k}.{layer}.linear.{p}" for k in range(K) for layer in range(2) for p in ("weight", "bias")} | {
         f"{k}.2.weight" for k in range(K)}
@@ -209,7 +210,7 @@ def test_reads_medusas_own_config_and_refuses_other_drafters(llama_target, make_
     loaded, _ = export.load(path)
     assert loaded.cfg.tree_choices == DEFAULT_TREE and loaded.target_hidden_size == llama_target.hidden_size
     assert len(loaded.t2d) == VOCAB_SIZE
-    with pytest.raises(UserError, match="Medusa drafters"):
+    with pytest.raises(UserError, match="the medusa format holds medusa drafters, not eagle3"):
         export.save(make_drafter(llama_target), tmp_path / "eagle3_as_medusa", Verifier.of(llama_target),
                     fmt="medusa")
 
