@@ -100,14 +100,32 @@ def take(dataset, n: int) -> list[list[int]]:
 @pytest.mark.parametrize("skip", [0, 1, 6, 7, 8, 15, 23])  # within, at and across epoch boundaries of 7 rows
 def test_endless_shuffle_resumed_with_skip_continues_the_same_stream(skip):
     rows = torch.arange(7 * 3).view(7, 3)
-    fresh = take(EndlessShuffle(rows, seed=5), skip + 20)
-    assert take(EndlessShuffle(rows, seed=5, skip=skip), 20) == fresh[skip:]
+    fresh = take(EndlessShuffle(rows, rows > 3, seed=5), skip + 20)
+    assert take(EndlessShuffle(rows, rows > 3, seed=5, skip=skip), 20) == fresh[skip:]
 
 
 def test_endless_shuffle_visits_every_row_once_per_epoch_in_new_orders():
     rows = torch.arange(7 * 3).view(7, 3)
-    stream = take(EndlessShuffle(rows, seed=5), 21)
+    stream = take(EndlessShuffle(rows, rows > 3, seed=5), 21)
     epochs = [stream[i : i + 7] for i in range(0, 21, 7)]
     assert all(sorted(epoch) == rows.tolist() for epoch in epochs)
     assert len({tuple(map(tuple, epoch)) for epoch in epochs}) > 1  # reshuffled, not one order repeated
-    assert take(EndlessShuffle(rows, seed=6), 7) != epochs[0]  # the seed matters
+    assert take(EndlessShuffle(rows, rows > 3, seed=6), 7) != epochs[0]  # the seed matters
+
+
+def test_endless_shuffle_keeps_each_rows_mask():
+    rows = torch.arange(7 * 3).view(7, 3)
+    for item in itertools.islice(iter(EndlessShuffle(rows, rows % 2 == 0, seed=5)), 20):
+        assert torch.equal(item["loss_mask"], item["input_ids"] % 2 == 0)
+
+
+@pytest.mark.parametrize("skip", [0, 4, 9])
+def test_endless_shuffle_shards_each_global_batch_disjointly_across_processes(skip):
+    """Two processes with batch 2 see, batch for batch, the rows one process sees with batch 4."""
+    rows = torch.arange(7 * 3).view(7, 3)
+    single = take(EndlessShuffle(rows, rows > 3, seed=5, skip=skip), 24)
+    shards = [take(EndlessShuffle(rows, rows > 3, seed=5, skip=skip, rank=r, world_size=2), 12) for r in (0, 1)]
+    for b in range(6):
+        local = [shards[r][2 * b : 2 * b + 2] for r in (0, 1)]
+        assert sorted(local[0] + local[1]) == sorted(single[4 * b : 4 * b + 4])
+    assert [row for pair in zip(*shards) for row in pair] == single  # disjoint: rank r takes rows r, r + 2, ...

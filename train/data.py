@@ -1,29 +1,269 @@
-"""Training data: packed sequences of a corpus (speculators.corpus) and the DataModule."""
+"""Training data: examples in, packed token rows with their loss masks out, and the DataModule.
 
+Sources (data.source): the Python standard library (the default, offline everywhere), a local
+.json/.jsonl/.parquet file, or a dataset id for `datasets.load_dataset`. Layouts (data.layout):
+
+    text               {"text": ...}                                    every token trained
+    prompt_completion  {"prompt": ..., "completion": ...}               completion and EOS trained
+    sharegpt           {"conversations": [{"from": human|gpt|system, "value": ...}, ...]}
+    messages           {"messages": [{"role": ..., "content": ...}, ...]}    (OpenAI)
+
+Chat layouts are rendered by the target tokenizer's chat template (or data.chat_template), and
+the loss mask is the assistant turns as that template renders them, never a hard-coded
+separator. A template with {% generation %} blocks marks them itself. Otherwise assistant turn
+i is the text between render(turns[:i] + generation prompt) and render(turns[:i + 1]), less
+trailing whitespace (the template's separator, which the model never generates), so it holds
+the reply and the template's end-of-turn marker. That needs every render to extend the one
+before; a template that re-renders earlier turns (Qwen3's drops their reasoning) is refused with
+the fix. Character spans become tokens through the fast tokenizer's offsets: a token is trained
+if any of its characters is.
+
+Files and hub datasets are split like the corpus, by a hash of each example (90/5/5), so the
+split depends on nothing but the example. Text is packed as one stream (EOS after each document)
+cut into rows; the other layouts keep each example whole: examples fill rows of seq_len in
+order, a row closes when the next does not fit and is padded (loss mask 0). An example longer
+than seq_len is truncated or skipped (data.overlong), examples with nothing to train on are
+dropped, and a summary line counts both.
+"""
+
+import itertools
+import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import datasets
+import jinja2
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, IterableDataset
 
-from speculators.config import UserError, at_least, one_of
+from speculators.config import UserError, at_least, one_of, require
+from speculators.corpus import SPLITS, split_of, stdlib_files
+
+LAYOUTS = ("text", "prompt_completion", "sharegpt", "messages")
+CHAT_FIELDS = {"sharegpt": ("conversations", "from", "value"), "messages": ("messages", "role", "content")}
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+LISTED_PROBLEMS = 5
 
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # the only source so far: the Python standard library
+    source: str = "stdlib"  # stdlib | file (data.path: .json, .jsonl or .parquet) | hub (data.path: a dataset id)
+    path: str | None = None
+    split: str = "train"  # source=hub: the split to load; validation and test are then held out by hash
+    layout: str = "text"  # text | prompt_completion | sharegpt | messages
+    chat_template: str | None = None  # a Jinja file or template replacing the tokenizer's (chat layouts)
+    overlong: str = "truncate"  # an example over seq_len tokens: truncate | skip
     stdlib_path: str | None = None  # None: sysconfig's stdlib of the running Python
     include_tests: bool = False  # the stdlib's test/ folders: 61% of tokens, very repetitive
     seq_len: int = 256
-    batch_size: int = 8
+    batch_size: int = 8  # per process: the global batch is batch_size x processes x accumulate_grad_batches
     max_val_sequences: int = 32
 
     def __post_init__(self):
-        one_of("data.source", self.source, ("stdlib",))
+        one_of("data.source", self.source, ("stdlib", "file", "hub"))
+        one_of("data.layout", self.layout, LAYOUTS)
+        one_of("data.overlong", self.overlong, ("truncate", "skip"))
+        require((self.path is None) == (self.source == "stdlib"), "data.path", self.path,
+                "set for data.source=file or hub, and unset for stdlib")
+        if self.source == "file" and not Path(self.path).is_file():  # fail now, not after the target has loaded
+            raise UserError(f"data.path={self.path} is not a file")
+        require(self.source != "stdlib" or self.layout == "text", "data.layout", self.layout,
+                "text for data.source=stdlib")
+        require(self.chat_template is None or self.layout in CHAT_FIELDS, "data.chat_template", self.chat_template,
+                f"unset for data.layout={self.layout} (only sharegpt and messages use a chat template)")
         at_least(8, data__seq_len=self.seq_len)
         at_least(1, data__batch_size=self.batch_size, data__max_val_sequences=self.max_val_sequences)
 
+
+# Loading: rows of the chosen layout, split by hash -------------------------------------------
+
+def load_examples(cfg: DataConfig) -> dict:
+    """split -> the examples of that split (a datasets.Dataset or a list of dicts)."""
+    if cfg.source == "stdlib":
+        return stdlib_files(cfg.stdlib_path, cfg.include_tests)
+    rows, where = read_hub(cfg) if cfg.source == "hub" else read_file(Path(cfg.path))
+    if len(rows) == 0:
+        raise UserError(f"data.path={cfg.path} holds no examples")
+    problems = []
+    for i, row in enumerate(rows):
+        try:
+            check_layout(row, cfg.layout)
+        except ValueError as e:
+            problems.append(f"{where(i)}: {e}")
+    refuse(f"data.path={cfg.path} (data.layout={cfg.layout})", problems, "malformed examples")
+    return split_by_hash(rows)
+
+
+def read_file(path: Path) -> tuple[list[dict] | datasets.Dataset, Callable[[int], str]]:
+    """The rows of a local file, and where row i is in it (for error messages)."""
+    if path.suffix == ".parquet":
+        return datasets.Dataset.from_parquet(str(path)), lambda i: f"row {i + 1}"
+    if path.suffix not in (".json", ".jsonl"):
+        raise UserError(f"data.path={path}: expected a .json, .jsonl or .parquet file")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix == ".json" and not text.lstrip().startswith("{"):  # a JSON array (an object starts JSON Lines)
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"data.path={path} is not JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+            raise UserError(f"data.path={path}: expected a JSON array of objects (or JSON Lines)")
+        return rows, lambda i: f"item {i + 1}"
+    return read_jsonl(path, text)
+
+
+def read_jsonl(path: Path, text: str) -> tuple[list[dict], Callable[[int], str]]:
+    rows, line_numbers, problems = [], [], []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"line {n}: {e.msg} at column {e.colno}")
+            continue
+        if not isinstance(row, dict):
+            problems.append(f"line {n}: a JSON {type(row).__name__}, not an object")
+            continue
+        rows.append(row)
+        line_numbers.append(n)
+    refuse(f"data.path={path}", problems, "lines are not JSON objects")
+    return rows, lambda i: f"line {line_numbers[i]}"
+
+
+def read_hub(cfg: DataConfig) -> tuple[datasets.Dataset, Callable[[int], str]]:
+    try:
+        rows = datasets.load_dataset(cfg.path, split=cfg.split)
+    except Exception as e:  # offline, unknown id, unknown split: datasets raises many kinds
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"data.path={cfg.path} (data.split={cfg.split}): datasets cannot load it: {first}") from None
+    return rows, lambda i: f"row {i + 1}"
+
+
+def refuse(what: str, problems: list[str], kind: str) -> None:
+    """One error listing the first few problems, so a user fixes them all in one pass."""
+    if problems:
+        more = f"; and {len(problems) - LISTED_PROBLEMS} more" if len(problems) > LISTED_PROBLEMS else ""
+        raise UserError(f"{what}: {len(problems)} {kind}: {'; '.join(problems[:LISTED_PROBLEMS])}{more}")
+
+
+def check_layout(row: dict, layout: str) -> None:
+    """ValueError naming what `row` lacks for `layout`."""
+    if layout in CHAT_FIELDS:
+        conversation(row, layout)
+        return
+    for field in ("text",) if layout == "text" else ("prompt", "completion"):
+        if not isinstance(row.get(field), str):
+            raise ValueError(f"no string '{field}' (fields: {', '.join(row) or 'none'})")
+
+
+def conversation(row: dict, layout: str) -> list[dict]:
+    """The row's turns as {"role", "content"} messages."""
+    key, role_key, text_key = CHAT_FIELDS[layout]
+    turns = row.get(key)
+    if not isinstance(turns, list):
+        raise ValueError(f"no '{key}' list (fields: {', '.join(row) or 'none'})")
+    messages = []
+    for i, turn in enumerate(turns):
+        role, text = (turn.get(role_key), turn.get(text_key)) if isinstance(turn, dict) else (None, None)
+        if layout == "sharegpt":
+            role = SHAREGPT_ROLES.get(role)
+        if not isinstance(role, str) or not isinstance(text, str):
+            roles = f" ({', '.join(SHAREGPT_ROLES)})" if layout == "sharegpt" else ""
+            raise ValueError(f"turn {i} needs a '{role_key}'{roles} and a string '{text_key}', got {str(turn)[:80]}")
+        messages.append({"role": role, "content": text})
+    return messages
+
+
+def split_by_hash(rows) -> dict:
+    """train/validation/test (90/5/5) by a hash of each example's content, as the corpus splits files."""
+    indices = {split: [] for split in SPLITS}
+    for i, row in enumerate(rows):
+        indices[split_of(json.dumps(row, sort_keys=True, default=str))].append(i)
+    if isinstance(rows, datasets.Dataset):
+        return {split: rows.select(ids) for split, ids in indices.items()}
+    return {split: [rows[i] for i in ids] for split, ids in indices.items()}
+
+
+# Tokenising: token ids and the loss mask of one example ---------------------------------------
+
+def chat_template(cfg: DataConfig, tokenizer) -> str:
+    template = cfg.chat_template
+    if template is not None and "{" not in template:  # a file; a Jinja template always has braces
+        if not Path(template).is_file():
+            raise UserError(f"data.chat_template={template!r} is neither a file nor a Jinja template")
+        template = Path(template).read_text()
+    try:
+        return tokenizer.get_chat_template(template)
+    except ValueError:
+        raise UserError(f"data.layout={cfg.layout} needs a chat template and the target's tokenizer has none (a base "
+                        "model?); set data.chat_template to a Jinja file or template") from None
+
+
+def encode_chat(messages: list[dict], tokenizer, template: str) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation and the mask of its assistant tokens."""
+    # Replies before any user turn answer nothing (and leave no prefix to diff against).
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    messages = [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        return [], []
+    if GENERATION_BLOCK.search(template):
+        out = tokenizer.apply_chat_template(messages, chat_template=template, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        return out["input_ids"], [bool(m) for m in out["assistant_masks"]]
+    if not tokenizer.is_fast:
+        raise UserError("the assistant-token mask needs a fast tokenizer (character offsets) or a chat template with "
+                        "{% generation %} blocks (data.chat_template)")
+    text, spans = assistant_spans(messages, tokenizer, template)
+    trained = bytearray(len(text))
+    for start, end in spans:
+        trained[start:end] = b"\1" * (end - start)
+    out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)  # the template wrote any BOS
+    return out["input_ids"], [any(trained[start:end]) for start, end in out["offset_mapping"]]
+
+
+def assistant_spans(messages: list[dict], tokenizer, template: str) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character span of each assistant turn in it."""
+    def render(turns, generation_prompt=False):
+        return tokenizer.apply_chat_template(turns, chat_template=template, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+
+    text, spans = render(messages), []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = render(messages[:i], generation_prompt=True), render(messages[: i + 1])
+        if not (through.startswith(before) and text.startswith(through)):
+            raise UserError("the chat template renders earlier turns differently as a conversation grows (as templates "
+                            "that drop past reasoning do), so assistant turns cannot be found by rendering prefixes; "
+                            "set data.chat_template to one whose assistant turns are wrapped in {% generation %}...{% "
+                            "endgeneration %}")
+        spans.append((len(before), max(len(before), len(through.rstrip()))))
+    return text, spans
+
+
+def encode_prompt_completion(row: dict, tokenizer) -> tuple[list[int], list[bool]]:
+    if not row["completion"].strip():
+        return [], []
+    prompt = tokenizer(row["prompt"])["input_ids"]  # with the BOS a raw prompt gets
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + eos
+    return prompt + completion, [False] * len(prompt) + [True] * len(completion)
+
+
+def example_encoder(cfg: DataConfig, tokenizer) -> Callable[[dict], tuple[list[int], list[bool]]]:
+    if cfg.layout == "prompt_completion":
+        return lambda row: encode_prompt_completion(row, tokenizer)
+    template = chat_template(cfg, tokenizer)
+    return lambda row: encode_chat(conversation(row, cfg.layout), tokenizer, template)
+
+
+# Packing: fixed-length rows --------------------------------------------------------------------
 
 def pack(files: datasets.Dataset, tokenizer, seq_len: int) -> torch.Tensor:
     """Tokenise every file, end each with EOS, concatenate, cut into [n, seq_len] rows."""
@@ -39,51 +279,150 @@ def pack(files: datasets.Dataset, tokenizer, seq_len: int) -> torch.Tensor:
     return stream[: n * seq_len].view(n, seq_len)
 
 
-class EndlessShuffle(IterableDataset):
-    """Rows in a fresh seeded order each epoch, without end, starting after `skip` rows.
+def pack_examples(examples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int):
+    """(input_ids, loss_mask) [n, seq_len]: whole examples placed in order; a row closes when the
+    next example does not fit, and its rest is padding with loss mask 0."""
+    rows, used = [[]], 0
+    for example in examples:
+        if used + len(example[0]) > seq_len:
+            rows, used = rows + [[]], 0
+        rows[-1].append(example)
+        used += len(example[0])
+    input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), seq_len, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids = [t for example in row for t in example[0]]
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        loss_mask[i, : len(ids)] = torch.tensor([m for example in row for m in example[1]])
+    return input_ids, loss_mask
 
-    The order is a function of (seed, epoch) only, so a resumed run that skips the rows it
-    has already consumed sees exactly the batches an uninterrupted run would.
+
+@dataclass
+class Tally:
+    """What tokenising one split did with its examples."""
+
+    examples: int = 0
+    empty: int = 0  # nothing to train on: no assistant reply, a blank completion or text
+    overlong: int = 0  # over seq_len: skipped, or truncated to no trained token
+    rejected: int = 0  # the chat template raised (e.g. "roles must alternate")
+    truncated: int = 0
+    first_rejection: str = ""
+
+    def line(self, seq_len: int) -> str:
+        dropped = {"with nothing to train on": self.empty, f"over {seq_len} tokens": self.overlong,
+                   f"rejected by the chat template (first: {self.first_rejection})": self.rejected}
+        line = f"{self.examples - sum(dropped.values())} of {self.examples} examples kept"
+        if any(dropped.values()):
+            line += "; dropped " + ", ".join(f"{n} {why}" for why, n in dropped.items() if n)
+        if self.truncated:
+            line += f"; truncated {self.truncated} to {seq_len} tokens"
+        return line
+
+
+def tokenize_split(examples, tokenizer, cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor, Tally]:
+    """(input_ids, loss_mask, tally) of one split."""
+    if cfg.layout == "text":
+        texts = [row["text"] for row in examples]
+        kept = [text for text in texts if text.strip()]
+        rows = pack(datasets.Dataset.from_dict({"text": kept}), tokenizer, cfg.seq_len)
+        return rows, torch.ones_like(rows, dtype=torch.bool), Tally(len(texts), empty=len(texts) - len(kept))
+    encode, tally, kept = example_encoder(cfg, tokenizer), Tally(len(examples)), []
+    for row in examples:
+        try:
+            ids, mask = encode(row)
+        except jinja2.TemplateError as e:
+            tally.rejected += 1
+            tally.first_rejection = tally.first_rejection or str(e)
+            continue
+        if not any(mask):
+            tally.empty += 1
+        elif len(ids) > cfg.seq_len and (cfg.overlong == "skip" or not any(mask[: cfg.seq_len])):
+            tally.overlong += 1
+        else:
+            tally.truncated += len(ids) > cfg.seq_len
+            kept.append((ids[: cfg.seq_len], mask[: cfg.seq_len]))
+    if not kept:
+        raise UserError(f"no example is left to train on: {tally.line(cfg.seq_len)}")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return *pack_examples(kept, cfg.seq_len, pad), tally
+
+
+@rank_zero_only
+def announce(line: str) -> None:
+    print(line, flush=True)
+
+
+# Streaming: shuffled, sharded across processes, resumable ---------------------------------------
+
+class EndlessShuffle(IterableDataset):
+    """Rows and their loss masks in a fresh seeded order each epoch, without end, starting after
+    `skip` rows; process `rank` of `world_size` takes every world_size-th row of that stream.
+
+    The order is a function of (seed, epoch) only, so a resumed run that skips the rows it has
+    already consumed sees exactly the batches an uninterrupted run would. Each global batch of
+    world_size x batch_size consecutive rows is split between the processes, disjointly: the same
+    rows as one process with the global batch. (Lightning shards only map-style datasets.)
     """
 
-    def __init__(self, rows: torch.Tensor, seed: int, skip: int = 0):
-        self.rows, self.seed, self.skip = rows, seed, skip
+    def __init__(self, rows: torch.Tensor, masks: torch.Tensor, seed: int, skip: int = 0, rank: int = 0,
+                 world_size: int = 1):
+        self.rows, self.masks, self.seed, self.skip = rows, masks, seed, skip
+        self.rank, self.world_size = rank, world_size
 
     def __iter__(self):
+        return itertools.islice(self.stream(), self.rank, None, self.world_size)
+
+    def stream(self):
         epoch, start = divmod(self.skip, len(self.rows))
         while True:
             order = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
             for i in order[start:].tolist():
-                yield {"input_ids": self.rows[i], "loss_mask": torch.ones_like(self.rows[i])}
+                yield {"input_ids": self.rows[i], "loss_mask": self.masks[i]}
             epoch, start = epoch + 1, 0
 
 
 class TextDataModule(L.LightningDataModule):
-    """Packed sequences of the corpus; its state (rows consumed) makes resume exact."""
+    """Packed rows of the examples with their loss masks; its state (rows consumed by all
+    processes together) makes resume exact, also under DDP."""
 
-    def __init__(self, cfg: DataConfig, files: datasets.DatasetDict, tokenizer, seed: int):
+    def __init__(self, cfg: DataConfig, files: dict, tokenizer, seed: int):
         super().__init__()
         self.cfg, self.files, self.tokenizer, self.seed = cfg, files, tokenizer, seed
         self.rows_consumed = 0
-        self.train_rows = self.val_rows = None
+        self.train_rows = self.train_mask = self.val_rows = self.val_mask = None
 
     def setup(self, stage: str) -> None:
         if self.train_rows is None:
-            self.train_rows = pack(self.files["train"], self.tokenizer, self.cfg.seq_len)
-            self.val_rows = pack(self.files["validation"], self.tokenizer, self.cfg.seq_len)[: self.cfg.max_val_sequences]
+            self.train_rows, self.train_mask = self.tokenize("train")
+            val_rows, val_mask = self.tokenize("validation")
+            n = self.cfg.max_val_sequences
+            self.val_rows, self.val_mask = val_rows[:n], val_mask[:n]
+
+    def tokenize(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(self.files[split]) == 0:
+            total = sum(len(examples) for examples in self.files.values())
+            raise UserError(f"the {split} split is empty: examples are split 90/5/5 by a hash of their content, and "
+                            f"{total} are too few")
+        rows, mask, tally = tokenize_split(self.files[split], self.tokenizer, self.cfg)
+        announce(f"data {split}: {tally.line(self.cfg.seq_len)}; {len(rows)} rows of {self.cfg.seq_len} tokens, "
+                 f"{mask.float().mean():.0%} of them trained")
+        return rows, mask
 
     def train_dataloader(self) -> DataLoader:
         # In-memory rows need no worker processes (which would each replay the stream).
-        return DataLoader(EndlessShuffle(self.train_rows, self.seed, self.rows_consumed), batch_size=self.cfg.batch_size)
+        stream = EndlessShuffle(self.train_rows, self.train_mask, self.seed, self.rows_consumed,
+                                self.trainer.global_rank, self.trainer.world_size)
+        return DataLoader(stream, batch_size=self.cfg.batch_size)
 
     def val_dataloader(self) -> DataLoader:
-        val = [{"input_ids": r, "loss_mask": torch.ones_like(r)} for r in self.val_rows]
+        val = [{"input_ids": r, "loss_mask": m} for r, m in zip(self.val_rows, self.val_mask)]
         return DataLoader(val, batch_size=self.cfg.batch_size)
 
     def state_dict(self) -> dict:
         # Checkpoints are written at optimizer-step boundaries, so this is exact.
         trainer = self.trainer
-        return {"rows_consumed": trainer.global_step * trainer.accumulate_grad_batches * self.cfg.batch_size}
+        return {"rows_consumed": trainer.global_step * trainer.accumulate_grad_batches * self.cfg.batch_size
+                * trainer.world_size}
 
     def load_state_dict(self, state: dict) -> None:
         self.rows_consumed = state["rows_consumed"]

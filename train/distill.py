@@ -3,16 +3,13 @@
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from inference import report
 from speculators import draft_vocab, export
 from speculators.config import to_dataclass
-from speculators.corpus import stdlib_files
 from speculators.families import family
 from speculators.target import FrozenTarget
 from train.callbacks import ServeEvalCallback
-from train.data import TextDataModule
+from train.data import TextDataModule, load_examples
 from train.module import DrafterModule
 from train.run import DrafterRecipe, fit, make_logger, make_trainer
 
@@ -21,11 +18,10 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     drafter_class = family(recipe.drafter.get("family"))
     drafter_cfg = to_dataclass(drafter_class.config_class, recipe.drafter, "drafter")
     target = FrozenTarget.load(recipe.target, recipe.quant)
-    datamodule = TextDataModule(recipe.data, stdlib_files(recipe.data.stdlib_path, recipe.data.include_tests),
-                                target.tokenizer, recipe.seed)
+    datamodule = TextDataModule(recipe.data, load_examples(recipe.data), target.tokenizer, recipe.seed)
     datamodule.setup("fit")
-    rows = datamodule.train_rows
-    counts = draft_vocab.count_tokens(rows, torch.ones_like(rows), target.vocab_size)
+    # The draft vocabulary is what the loss trains on: assistant/completion tokens, not prompts.
+    counts = draft_vocab.count_tokens(datamodule.train_rows, datamodule.train_mask, target.vocab_size)
     drafter = drafter_class.from_target(drafter_cfg, target, counts)
     module = DrafterModule(drafter, target, recipe.optim, recipe.trainer.max_steps)
 
@@ -37,9 +33,11 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, config), run_dir, callbacks)
     fit(trainer, module, datamodule, recipe.resume)
 
-    export_dir = export.save(drafter, run_dir / "export", export.Verifier.of(target), overwrite=True,
+    offline = trainer.validate(module, datamodule, verbose=False)[0]  # under DDP every process takes part
+    if not trainer.is_global_zero:
+        return  # one process exports and reports
+    export_dir = export.save(drafter, run_dir / "export", export.Verifier.of(target), overwrite=recipe.overwrite,
                              training=training_record(recipe, trainer))
-    offline = trainer.validate(module, datamodule, verbose=False)[0]
     if trainer.logger:
         trainer.logger.experiment.finish()  # flush W&B before the closing lines, not after them
     report_path = acceptance_report(drafter.eval(), target, offline, run_dir / "acceptance")
