@@ -17,7 +17,7 @@ import torch
 from inference.drafting import DraftingConfig
 from inference.engine import Stats, check_pair, generate
 from speculators import corpus
-from speculators.config import UserError, at_least
+from speculators.config import UserError, at_least, require
 from train.run import LoggerConfig, wandb_mode
 
 
@@ -39,6 +39,7 @@ class InferenceConfig:
     def __post_init__(self):
         at_least(0, num_speculative_tokens=self.num_speculative_tokens, temperature=self.temperature)
         at_least(1, num_prompts=self.num_prompts, prompt_lines=self.prompt_lines, max_new_tokens=self.max_new_tokens)
+        require(0 <= self.seed < 2**32, "seed", self.seed, "in [0, 2**32 - 1], as for training")
 
 
 def load_pair(drafter_path: str, target_path: str | None = None, quant=None):

@@ -7,8 +7,11 @@ full name and the keys that are allowed, never deep inside training.
 
 import dataclasses
 import functools
+import math
 import os
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Callable
 
@@ -26,9 +29,11 @@ class UserError(Exception):
 
 def to_dataclass(cls, cfg: DictConfig, key: str = ""):
     """Build dataclass `cls` from `cfg`; unknown keys and bad values raise UserError."""
+    prefix = f"{key}." if key else ""
     try:
+        _refuse_converted_scalars(cls, OmegaConf.to_container(cfg) if isinstance(cfg, DictConfig) else cfg, prefix)
         merged = OmegaConf.merge(OmegaConf.structured(cls), cfg)
-        return OmegaConf.to_object(merged)
+        config = OmegaConf.to_object(merged)
     except ConfigKeyError as e:
         full_key = ".".join(k for k in (key, str(e.full_key or e.key)) if k)
         allowed = ", ".join(f.name for f in dataclasses.fields(_owner_of(cls, str(e.full_key or e.key))))
@@ -36,6 +41,41 @@ def to_dataclass(cls, cfg: DictConfig, key: str = ""):
     except OmegaConfBaseException as e:
         full_key = ".".join(k for k in (key, str(e.full_key or "")) if k)
         raise UserError(f"bad value for '{full_key}': {_first_line(e)}") from None
+    _refuse_non_finite(config, prefix)
+    return config
+
+
+def _field_kinds(annotation) -> set:
+    """{int} for int, {int, NoneType} for int | None."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return set(typing.get_args(annotation))
+    return {annotation}
+
+
+def _refuse_converted_scalars(cls, raw, prefix: str) -> None:
+    """OmegaConf turns any number into a bool (2 -> true) and a bool into a number (true -> 1)."""
+    if not isinstance(raw, dict):
+        return
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        value, kinds = raw[f.name], _field_kinds(f.type) - {type(None)}
+        if dataclasses.is_dataclass(f.type):
+            _refuse_converted_scalars(f.type, value, f"{prefix}{f.name}.")
+        elif kinds == {bool} and isinstance(value, (int, float)) and not isinstance(value, bool):
+            require(False, prefix + f.name, value, "true or false")
+        elif kinds & {int, float} and isinstance(value, bool):
+            require(False, prefix + f.name, value, "a number")
+
+
+def _refuse_non_finite(config, prefix: str) -> None:
+    """No key takes nan or inf (a learning rate of inf passes `> 0`)."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            _refuse_non_finite(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            require(math.isfinite(value), prefix + f.name, value, "a finite number")
 
 
 def _owner_of(cls, dotted_key: str):
@@ -50,7 +90,11 @@ def _owner_of(cls, dotted_key: str):
 
 def one_of(key: str, value, allowed) -> None:
     """Fail with a one-line error unless `value` is among `allowed`."""
-    if value not in allowed:
+    try:
+        known = value in allowed
+    except TypeError:  # a list or a mapping where a name belongs
+        known = False
+    if not known:
         raise UserError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, allowed))}")
 
 
@@ -72,8 +116,12 @@ def _first_line(e: BaseException) -> str:
 
 def _one_line(e: BaseException) -> str:
     """Hydra's messages span lines (options listed one per line); fold them into one."""
+    from hydra.errors import OverrideParseException
+
     text = str(e).split("Config search path")[0]  # where Hydra looked: noise for a typo
     text = " ".join(line.strip() for line in text.splitlines() if line.strip())
+    if isinstance(e, OverrideParseException):  # its message lacks the override it could not parse
+        text = f"cannot parse {e.override!r}: {text}"
     cause = e.__cause__
     if isinstance(cause, OmegaConfBaseException):
         text = f"{text} ({_first_line(cause)})"

@@ -1,9 +1,11 @@
-"""Resuming from a checkpoint continues exactly: same batches, same losses, bit for bit on the CPU,
-also after SIGTERM or Ctrl-C stopped the run (it saves a checkpoint on the way out). A
-non-finite loss stops the run with one line and leaves the last good checkpoint."""
+"""Resuming from a checkpoint continues exactly: same batches, same random draws, same losses, bit
+for bit on the CPU, also after SIGTERM or Ctrl-C stopped the run (it saves a checkpoint on the way
+out). A non-finite loss stops the run with one line and leaves the last good checkpoint."""
 
+import dataclasses
 import json
 import os
+import random
 import signal
 import string
 import textwrap
@@ -11,12 +13,14 @@ from pathlib import Path
 
 import datasets
 import lightning as L
+import numpy as np
 import pytest
 import torch
 
 from speculators import draft_vocab
 from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
+from train.callbacks import TrainingRandomState
 from train.data import DataConfig, TextDataModule
 from train.module import DrafterModule
 from train.optim import OptimConfig
@@ -89,6 +93,50 @@ def test_a_signal_saves_a_checkpoint_and_resume_continues_exactly(llama_target, 
     resumed = train(llama_target, tmp_path / "resumed", max_steps=6, resume=str(tmp_path / "stopped"))
     assert sorted(resumed) == [3, 4, 5, 6]
     assert [resumed[s] for s in (3, 4, 5, 6)] == [straight[s] for s in (3, 4, 5, 6)]
+
+
+@pytest.fixture
+def noisy_training(monkeypatch):
+    """Training steps that draw from every global random stream: torch (as EAGLE-1's feature noise,
+    dropout and drop-token sampling do), Python's random and NumPy (as a user's own family might)."""
+    real_loss = Eagle3Drafter.training_loss
+
+    def noisy_loss(self, target_out, input_ids, loss_mask):
+        if self.training:
+            width = 0.5 + random.random() + float(np.random.rand())
+            aux = [h + (torch.rand_like(h) - 0.5) * width for h in target_out.aux_hidden]
+            target_out = dataclasses.replace(target_out, aux_hidden=aux)
+        return real_loss(self, target_out, input_ids, loss_mask)
+
+    monkeypatch.setattr(Eagle3Drafter, "training_loss", noisy_loss)
+
+
+def stop_and_resume(target, tmp_path, how: str) -> tuple[dict, int]:
+    """Stop a run (SIGTERM after step 2, or the end of a 3-step run, whose checkpoint validation
+    follows), resume it to step 6; return the resumed losses and the first resumed step."""
+    if how == "sigterm":
+        with pytest.raises(SystemExit, match="stopped by a signal at step 2"):
+            train(target, tmp_path / "stopped", max_steps=6, callbacks=[SendSignal(2, signal.SIGTERM)])
+    else:
+        train(target, tmp_path / "stopped", max_steps=3)
+    resumed = train(target, tmp_path / "resumed", max_steps=6, resume=str(tmp_path / "stopped"))
+    return resumed, min(resumed)
+
+
+@pytest.mark.parametrize("how", ["sigterm", "checkpoint"])
+def test_resume_continues_the_random_streams_exactly(llama_target, tmp_path, noisy_training, how):
+    straight = train(llama_target, tmp_path / "straight", max_steps=6)
+    resumed, first = stop_and_resume(llama_target, tmp_path, how)
+    assert sorted(resumed) == list(range(first, 7)) and first == (3 if how == "sigterm" else 4)
+    assert [resumed[s] for s in range(first, 7)] == [straight[s] for s in range(first, 7)]
+
+
+def test_without_the_random_state_a_noisy_resume_diverges(llama_target, tmp_path, noisy_training, monkeypatch):
+    """The control: the noise reaches the losses, and restoring the random state is what keeps them equal."""
+    straight = train(llama_target, tmp_path / "straight", max_steps=6)
+    monkeypatch.setattr(TrainingRandomState, "load_state_dict", lambda self, state: None)
+    resumed, first = stop_and_resume(llama_target, tmp_path, "sigterm")
+    assert resumed[first] != straight[first]
 
 
 def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(llama_target, tmp_path, monkeypatch):

@@ -6,12 +6,18 @@ logged under serve/. Teacher-forced accuracy (val/acc_step*) tends to flatter a 
 
 CheckpointOnSignal: SIGTERM (pre-emption) or a first Ctrl-C ends training at the next batch
 boundary and writes checkpoints/last.ckpt, so `resume=<run dir>` loses nothing.
+
+TrainingRandomState: the random streams training steps draw from travel in the checkpoint, so
+a resumed run draws the same noise and dropout masks as an uninterrupted one.
 """
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
+import numpy as np
+import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from inference.engine import Stats, generate
@@ -53,4 +59,51 @@ class CheckpointOnSignal(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException):
-            trainer.save_checkpoint(Path(trainer.checkpoint_callback.dirpath) / "last.ckpt")
+            trainer.save_checkpoint(Path(trainer.checkpoint_callback.dirpath) / "last.ckpt", weights_only=False)
+
+
+class TrainingRandomState(L.Callback):
+    """Checkpoints carry the torch (CPU and CUDA), Python and NumPy random states; Lightning
+    restores none of them.
+
+    Training steps continue their own streams: whatever draws between two steps (validation, a
+    data loader starting, serve evaluation) is undone when the next step starts. So the state
+    saved at a step boundary is the one the next step starts from, in the run that goes on and
+    in the run that resumes (which skips those draws or makes others).
+    """
+
+    def __init__(self):
+        self.state = None  # after the last training step; None until a fresh run's first step ends
+
+    def on_train_batch_start(self, *_) -> None:
+        if self.state is not None:
+            set_random_state(self.state)
+
+    def on_train_batch_end(self, *_) -> None:
+        self.state = random_state()
+
+    def state_dict(self) -> dict:
+        return {"random_state": self.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state["random_state"]
+
+
+def random_state() -> dict:
+    """Tensors, tuples and numbers only: checkpoints load with torch.load(weights_only=True)."""
+    algorithm, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": (algorithm, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_random_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    algorithm, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from speculators import corpus
-from speculators.config import at_least, require
+from speculators.config import UserError, at_least, require
 from train.data import TextDataModule
 from train.optim import OptimConfig, check_finite, configure
 
@@ -119,23 +119,42 @@ class CausalLMModule(L.LightningModule):
         self.wall_time_before, self.started = checkpoint.get("wall_time", 0.0), time.time()
 
 
-def prepare_tokenizer(run_dir: Path, files, vocab_size: int) -> PreTrainedTokenizerFast:
-    """Train the tokenizer once per run directory; a resumed run reuses it."""
+def prepare_tokenizer(run_dir: Path, files, vocab_size: int, init_from: str | None) -> PreTrainedTokenizerFast:
+    """Train the tokenizer once per run directory (or take init_from's); a resumed run reuses it."""
     path = run_dir / "tokenizer"
     if path.is_dir():
         return PreTrainedTokenizerFast.from_pretrained(path)
-    tokenizer = train_tokenizer(files["train"]["text"], vocab_size)
+    if init_from:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(init_from)
+        require(len(tokenizer) == vocab_size, "model.vocab_size", vocab_size, f"{len(tokenizer)}, init_from's vocabulary")
+    else:
+        tokenizer = train_tokenizer(files["train"]["text"], vocab_size)
     tokenizer.save_pretrained(path)
     return tokenizer
 
 
-def build_model(cfg: ModelConfig, tokenizer) -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, tokenizer, init_from: str | None = None) -> LlamaForCausalLM:
     config = LlamaConfig(**vars(cfg), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    if init_from:  # continue an earlier run's model; its bf16 weights become fp32 to train
+        saved = LlamaForCausalLM.from_pretrained(init_from, torch_dtype=torch.float32)
+        try:
+            model.load_state_dict(saved.state_dict())
+        except RuntimeError as e:
+            raise UserError(f"init_from={init_from}: its architecture differs from model.* ({str(e).splitlines()[1].strip()})") from None
+    return model
 
 
-def save_target(module: CausalLMModule, tokenizer, files, out: Path, tokens_seen: int, data_cfg) -> None:
+def earlier_training(init_from: str | None) -> dict:
+    """The training facts of the model this run continues (zeros for a run from scratch)."""
+    if not init_from:
+        return {"tokens_seen": 0, "wall_time_s": 0}
+    return json.loads((Path(init_from) / "training.json").read_text())
+
+
+def save_target(module: CausalLMModule, tokenizer, files, out: Path, tokens_seen: int, data_cfg,
+                earlier: dict | None = None) -> None:
     """save_pretrained in bf16 (half the bytes on disk; load it in fp32 on CPUs), plus training facts."""
     model = module.model
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -152,10 +171,12 @@ def save_target(module: CausalLMModule, tokenizer, files, out: Path, tokens_seen
             "content_hash": corpus.corpus_hash(files),
         },
         "seq_len": data_cfg.seq_len,
-        "tokens_seen": tokens_seen,
-        "wall_time_s": round(module.wall_time()),
+        "tokens_seen": tokens_seen + earlier.get("tokens_seen", 0) if earlier else tokens_seen,
+        "wall_time_s": round(module.wall_time()) + (earlier.get("wall_time_s", 0) if earlier else 0),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+    if earlier and earlier.get("tokens_seen"):
+        facts["continued_from"] = earlier  # the run this one started from, with its own facts
     (out / "training.json").write_text(json.dumps(facts, indent=2))
 
 
@@ -165,18 +186,19 @@ def run_pretrain(recipe, run_dir: Path) -> None:
     from train.run import fit, make_logger, make_trainer
 
     files = corpus.stdlib_files(recipe.data.stdlib_path, recipe.data.include_tests)
-    tokenizer = prepare_tokenizer(run_dir, files, recipe.model.vocab_size)
+    tokenizer = prepare_tokenizer(run_dir, files, recipe.model.vocab_size, recipe.init_from)
     datamodule = TextDataModule(recipe.data, files, tokenizer, recipe.seed)
-    module = CausalLMModule(build_model(recipe.model, tokenizer), recipe.optim, recipe.trainer.max_steps,
+    module = CausalLMModule(build_model(recipe.model, tokenizer, recipe.init_from), recipe.optim, recipe.trainer.max_steps,
                             token_byte_lengths(tokenizer))
     trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, asdict(recipe)), run_dir,
                            monitor="val/loss")
     fit(trainer, module, datamodule, recipe.resume)
-    steps, best = trainer.global_step, trainer.checkpoint_callback.best_model_path
+    steps = trainer.global_step
+    best = next(c.best_model_path for c in trainer.checkpoint_callbacks if c.monitor)
     if best:  # ship the checkpoint with the lowest validation loss, not merely the last
         checkpoint = torch.load(best, map_location="cpu", weights_only=True)
         module.load_state_dict(checkpoint["state_dict"])
         steps = checkpoint["global_step"]
     tokens_seen = steps * recipe.trainer.accumulate_grad_batches * recipe.data.batch_size * recipe.data.seq_len
-    save_target(module, tokenizer, files, run_dir / "model", tokens_seen, recipe.data)
+    save_target(module, tokenizer, files, run_dir / "model", tokens_seen, recipe.data, earlier_training(recipe.init_from))
     print(f"target saved to {run_dir / 'model'}; measure it with: python -m train.target_card {run_dir / 'model'}")

@@ -8,6 +8,7 @@ Two recipes share the Trainer, logger and checkpoint set-up below:
 import os
 import signal
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,16 +17,20 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from omegaconf import DictConfig
 
-from speculators.config import UserError, at_least, one_of, to_dataclass
+from speculators.config import UserError, at_least, one_of, require, to_dataclass
 from speculators.quant import QuantConfig
 from speculators.target import TargetConfig
-from train.callbacks import CheckpointOnSignal, ServeEvalConfig
+from train.callbacks import CheckpointOnSignal, ServeEvalConfig, TrainingRandomState
 from train.data import DataConfig
 from train.optim import OptimConfig
 from train.pretrain import ModelConfig
+
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps", "tpu")
+PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+STRATEGIES = ("auto", "ddp")  # ddp: one process per device, gradients all-reduced (gloo on CPU, nccl on GPU)
 
 
 @dataclass
@@ -34,7 +39,9 @@ class TrainerConfig:
 
     max_steps: int = 500
     accelerator: str = "cpu"
-    devices: int = 1
+    devices: int = 1  # per node
+    num_nodes: int = 1
+    strategy: str = "auto"
     precision: str = "32-true"
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     accumulate_grad_batches: int = 1
@@ -45,7 +52,10 @@ class TrainerConfig:
     progress_bar: bool = True
 
     def __post_init__(self):
-        at_least(1, trainer__max_steps=self.max_steps, trainer__devices=self.devices,
+        one_of("trainer.accelerator", self.accelerator, ACCELERATORS)
+        one_of("trainer.precision", self.precision, PRECISIONS)
+        one_of("trainer.strategy", self.strategy, STRATEGIES)
+        at_least(1, trainer__max_steps=self.max_steps, trainer__devices=self.devices, trainer__num_nodes=self.num_nodes,
                  trainer__accumulate_grad_batches=self.accumulate_grad_batches,
                  trainer__log_every_n_steps=self.log_every_n_steps, trainer__val_every_n_steps=self.val_every_n_steps,
                  trainer__checkpoint_every_n_steps=self.checkpoint_every_n_steps)
@@ -69,10 +79,22 @@ class LoggerConfig:
 
 
 @dataclass
-class PretrainRecipe:
+class RunKeys:
+    """The top-level keys of conf/config.yaml, shared by every recipe."""
+
     recipe: str
     seed: int
     resume: str | None
+    overwrite: bool  # replace the run's result (export/, model/) if the run directory already has one
+
+    def __post_init__(self):
+        require(0 <= self.seed < 2**32, "seed", self.seed, "in [0, 2**32 - 1] (NumPy's seed range)")
+        checkpoint_to_resume(self.resume)  # a mistyped path fails now, not after the target has loaded
+
+
+@dataclass
+class PretrainRecipe(RunKeys):
+    init_from: str | None  # a saved target (its folder) whose weights and tokenizer this run continues training
     data: DataConfig
     trainer: TrainerConfig
     logger: LoggerConfig
@@ -81,10 +103,7 @@ class PretrainRecipe:
 
 
 @dataclass
-class DrafterRecipe:
-    recipe: str
-    seed: int
-    resume: str | None
+class DrafterRecipe(RunKeys):
     target: TargetConfig
     data: DataConfig
     quant: QuantConfig
@@ -96,11 +115,13 @@ class DrafterRecipe:
 
 
 RECIPES: dict[str, Any] = {"drafter": DrafterRecipe, "pretrain": PretrainRecipe}
+RESULTS = {"drafter": "export", "pretrain": "model"}  # the folder each recipe writes into its run directory last
 
 
 def run(cfg: DictConfig, run_dir: Path) -> None:
     one_of("recipe", cfg.get("recipe"), RECIPES)
     recipe = to_dataclass(RECIPES[cfg.recipe], cfg)
+    check_result_writable(run_dir / RESULTS[cfg.recipe], recipe.overwrite)
     if recipe.trainer.num_threads:
         torch.set_num_threads(recipe.trainer.num_threads)
     L.seed_everything(recipe.seed, workers=True)
@@ -110,6 +131,12 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
     else:
         from train.distill import run_distill
         run_distill(recipe, run_dir)
+
+
+def check_result_writable(path: Path, overwrite: bool) -> None:
+    """Refuse before training, not after it: a finished run's result is replaced only when asked."""
+    if path.exists() and not overwrite:
+        raise UserError(f"{path} already exists (resume= of a finished run?); pass overwrite=true to replace it")
 
 
 def wandb_mode(cfg: LoggerConfig) -> str:
@@ -129,38 +156,65 @@ def _netrc() -> str:
 def make_logger(cfg: LoggerConfig, run_dir: Path, config: dict):
     if cfg.kind == "none":
         return False
+    import wandb
     from lightning.pytorch.loggers import WandbLogger
 
-    return WandbLogger(project=cfg.project, name=cfg.name or run_dir.name, save_dir=str(run_dir),
-                       mode=wandb_mode(cfg), config=config)
+    mode = wandb_mode(cfg)
+    if mode != "online":  # process-wide too: W&B's own analytics go online unless its global settings say offline
+        wandb.setup(wandb.Settings(mode=mode))
+    return WandbLogger(project=cfg.project, name=cfg.name or run_dir.name, save_dir=str(run_dir), mode=mode,
+                       config=config)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Write each checkpoint to a temporary file and rename it into place: a run killed while
-    saving keeps its previous checkpoint whole."""
+    saving keeps its previous checkpoint whole. Refuse a corrupt or truncated one on loading."""
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         partial = Path(f"{path}.partial")
         super().save_checkpoint(checkpoint, partial, storage_options)
         os.replace(partial, path)
 
+    def load_checkpoint(self, path, *args, **kwargs) -> dict:
+        # torch.load reads a checkpoint (a zip archive) without checking the CRC32 of each
+        # member, so flipped bytes would load as silently wrong weights; zipfile checks them.
+        try:
+            with zipfile.ZipFile(path) as archive:
+                damaged = archive.testzip()
+            checkpoint = None if damaged else super().load_checkpoint(path, *args, **kwargs)
+        except Exception as e:  # truncated, not a zip, or pickled objects beyond weights
+            raise UserError(f"resume: cannot read checkpoint {path} ({type(e).__name__}); it is truncated, corrupt "
+                            "or not a checkpoint of this project") from None
+        if damaged:
+            raise UserError(f"resume: checkpoint {path} is corrupt ({damaged} fails its checksum)")
+        if not isinstance(checkpoint, dict) or not {"state_dict", "optimizer_states", "global_step"} <= checkpoint.keys():
+            raise UserError(f"resume: {path} is not a training checkpoint of this project")
+        return checkpoint
+
 
 def make_trainer(cfg: TrainerConfig, logger, run_dir: Path, extra_callbacks=(), monitor: str | None = None) -> L.Trainer:
     """A step-based Trainer: validation and checkpoints every N optimizer steps, last.ckpt kept,
     and a checkpoint written when a signal stops the run."""
-    checkpoints = ModelCheckpoint(dirpath=run_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every_n_steps,
-                                  save_last=True, save_top_k=1 if monitor else 0, monitor=monitor,
-                                  filename="best" if monitor else None)
-    callbacks = [checkpoints, CheckpointOnSignal(), *extra_callbacks]
+    checkpoints = [ModelCheckpoint(dirpath=run_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every_n_steps,
+                                   save_last=True, save_top_k=0,
+                                   enable_version_counter=False)]  # resumed into its own run dir: last.ckpt stays the newest
+    if monitor:  # saved when validation ends, so best.ckpt is scored by its own step's validation, not the one before
+        checkpoints.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", monitor=monitor, save_top_k=1, filename="best",
+                                           save_on_train_epoch_end=False, enable_version_counter=False))
+    callbacks = [*checkpoints, CheckpointOnSignal(), TrainingRandomState(), *extra_callbacks]
     if logger:
         callbacks.append(LearningRateMonitor("step"))
-    return L.Trainer(
-        max_steps=cfg.max_steps, accelerator=cfg.accelerator, devices=cfg.devices, precision=cfg.precision,
-        accumulate_grad_batches=cfg.accumulate_grad_batches, gradient_clip_val=cfg.gradient_clip_val,
-        log_every_n_steps=cfg.log_every_n_steps, val_check_interval=cfg.val_every_n_steps,
-        check_val_every_n_epoch=None, logger=logger, callbacks=callbacks, default_root_dir=run_dir,
-        enable_progress_bar=cfg.progress_bar, num_sanity_val_steps=0, plugins=[AtomicCheckpointIO()],
-    )
+    try:
+        return L.Trainer(
+            max_steps=cfg.max_steps, accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
+            strategy=cfg.strategy, precision=cfg.precision,
+            accumulate_grad_batches=cfg.accumulate_grad_batches, gradient_clip_val=cfg.gradient_clip_val,
+            log_every_n_steps=cfg.log_every_n_steps, val_check_interval=cfg.val_every_n_steps,
+            check_val_every_n_epoch=None, logger=logger, callbacks=callbacks, default_root_dir=run_dir,
+            enable_progress_bar=cfg.progress_bar, num_sanity_val_steps=0, plugins=[AtomicCheckpointIO()],
+        )
+    except MisconfigurationException as e:  # e.g. trainer.accelerator=cuda on a machine without a GPU
+        raise UserError(f"trainer: {str(e).strip().splitlines()[0]}") from None
 
 
 def fit(trainer: L.Trainer, module: L.LightningModule, datamodule, resume: str | None) -> None:
