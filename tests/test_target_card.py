@@ -75,6 +75,8 @@ def test_card_and_heldout_written_with_finite_numbers(model_dir, capsys):
     assert "| layers | 2 |" in card and "| key/value heads | 1 |" in card
     assert all(why in card for why in CHOICES.values())
     assert card.count("```python") == 2 * 3  # prompt, greedy and T=0.8 for each of the two samples
+    loops = heldout["greedy_loops"]
+    assert 0 <= loops["looping"] <= loops["files"] > 0 and f"{loops['looping']} of {loops['files']} test files" in card
 
 
 def test_changed_corpus_is_warned_about(model_dir, tmp_path, capsys):
@@ -117,3 +119,14 @@ def test_folder_that_is_not_a_model_is_one_line_exit_2(broken, model_dir, tmp_pa
     assert target_card.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0]
+
+
+@pytest.mark.parametrize("tokens, loops", [
+    ([1, 2, 3] * 30, True),                      # one 3-token phrase over and over
+    (list(range(40)) + [7] * 60, True),          # settles into one token
+    (list(range(100)), False),                   # never repeats
+    ([1, 2, 3] * 10 + list(range(60)), False),   # repeated early, then moved on
+    ([1, 2] * 10, False),                        # too short to judge
+])
+def test_a_continuation_loops_when_its_tail_repeats_one_phrase(tokens, loops):
+    assert target_card.falls_into_a_loop(tokens) is loops

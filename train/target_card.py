@@ -23,6 +23,7 @@ NEW_TOKENS = 120
 TEMPERATURE = 0.8
 SEED = 0
 EVAL_BATCH = 8
+LOOP_TAIL, LOOP_MAX_PERIOD = 60, 20  # a continuation loops if its last 60 tokens repeat a phrase of <= 20 tokens
 REQUIRED_FACTS = ("corpus.include_tests", "corpus.content_hash", "corpus.files", "corpus.bytes",
                   "corpus.tokens", "seq_len", "tokens_seen", "wall_time_s")
 
@@ -158,6 +159,28 @@ def generate_samples(model, tokenizer, test_files, k: int) -> list[dict]:
     return samples
 
 
+def falls_into_a_loop(tokens: list[int], tail: int = LOOP_TAIL, max_period: int = LOOP_MAX_PERIOD) -> bool:
+    """True when the last `tail` tokens repeat one phrase of at most `max_period` tokens."""
+    end = tokens[-tail:]
+    return len(end) == tail and any(all(end[i] == end[i - p] for i in range(p, tail)) for p in range(1, max_period + 1))
+
+
+def greedy_loop_rate(model, tokenizer, test_files) -> dict:
+    """How many greedy continuations of test files' openings end repeating one phrase."""
+    import torch
+    from tqdm import tqdm
+
+    prompts = [("".join(t.splitlines(keepends=True)[:PROMPT_LINES])) for t in test_files["text"]
+               if len(t.splitlines()) > PROMPT_LINES]
+    looping = 0
+    for prompt in tqdm(prompts, desc="greedy loops", unit="file"):
+        inputs = tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        looping += falls_into_a_loop(out[0, inputs["input_ids"].shape[1]:].tolist())
+    return {"files": len(prompts), "looping": looping}
+
+
 def fenced(code: str, lang: str = "python") -> str:
     """A fence longer than any backtick run inside, so generated text cannot break out of it."""
     longest, run = 0, 0
@@ -217,6 +240,10 @@ def render_card(model_dir: Path, model, facts: dict, heldout: dict, samples: lis
         f"- wall time: {facts['wall_time_s'] / 3600:.2f} h ({facts['wall_time_s']:,} s)",
         f"- sequence length: {facts['seq_len']}",
     ]
+    earlier = facts.get("continued_from")
+    if earlier:  # init_from=: the totals above add up both runs
+        lines.append(f"- in two runs: {earlier['tokens_seen']:,} tokens from scratch ({earlier['wall_time_s'] / 3600:.2f} h), "
+                     f"then {facts['tokens_seen'] - earlier['tokens_seen']:,} more continuing that model (`init_from=`)")
     choices = facts.get("choices")
     if choices:
         lines += ["", "Design choices:", ""]
@@ -234,6 +261,11 @@ def render_card(model_dir: Path, model, facts: dict, heldout: dict, samples: lis
         f"- {heldout['tokens_evaluated']:,} tokens evaluated: {scope}",
         f"- measured with Python {heldout['python']}; reproduce with `{heldout['command']}`",
     ]
+    loops = heldout.get("greedy_loops")
+    if loops:
+        lines += [f"- greedy continuations that end looping one phrase: {loops['looping']} of {loops['files']} test files "
+                  f"(the first {PROMPT_LINES} lines of each, {NEW_TOKENS} new tokens; looping = the last {LOOP_TAIL} tokens "
+                  f"repeat a phrase of at most {LOOP_MAX_PERIOD})"]
     if warning:
         lines += ["", f"**Warning:** {warning}."]
     if samples:
@@ -261,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                    python=platform.python_version(),
                    command=shlex.join(["python", "-m", "train.target_card", *argv]))
     samples = generate_samples(model, tokenizer, files["test"], args.samples)
+    heldout["greedy_loops"] = greedy_loop_rate(model, tokenizer, files["test"])
     (args.model_dir / "heldout.json").write_text(json.dumps(heldout, indent=2) + "\n")
     (args.model_dir / "README.md").write_text(render_card(args.model_dir, model, facts, heldout, samples, warning))
     print(f"held-out nats/token: {heldout['nats_per_token']:.4f}")
