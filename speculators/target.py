@@ -3,12 +3,18 @@
 HF `hidden_states[k]` is the residual stream after k decoder layers (0 = embeddings);
 `hidden_states[L]` is after the final norm, the input of lm_head. Layer ids everywhere in
 this project (configs, exports) use that same k.
+
+A target loaded with `layers=False` has its embeddings, final norm and lm_head but no decoder
+layers: training from a hidden-state cache (train/hidden_cache.py) needs no more than that.
 """
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from speculators.config import UserError, one_of
 from speculators.quant import QuantConfig, quantize
@@ -53,8 +59,9 @@ class FrozenTarget:
     """A causal LM in eval mode with gradients off. Not an nn.Module on purpose: whatever holds
     it (a LightningModule) does not put its weights in the optimizer or in checkpoints."""
 
-    def __init__(self, model, tokenizer, name_or_path: str, layer_ids: list[int] | None = None):
+    def __init__(self, model, tokenizer, name_or_path: str, layer_ids: list[int] | None = None, layers: bool = True):
         self.model = model.eval().requires_grad_(False)
+        self.layers = layers  # False: loaded without its decoder layers, it turns cached hidden states into logits
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path
         self.config = model.config
@@ -65,14 +72,24 @@ class FrozenTarget:
                                          self.num_layers)
 
     @classmethod
-    def load(cls, cfg: TargetConfig, quant: QuantConfig = QuantConfig()) -> "FrozenTarget":
+    def load(cls, cfg: TargetConfig, quant: QuantConfig = QuantConfig(), layers: bool = True) -> "FrozenTarget":
+        """`layers=False`: build the model with zero decoder layers, so their weights are never read."""
         try:
             tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=DTYPES[cfg.dtype],
-                                                         trust_remote_code=cfg.trust_remote_code)
+            config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+            num_layers = config.num_hidden_layers
+            config.num_hidden_layers = num_layers if layers else 0
+            verbosity = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # without layers, transformers reports every layer weight as unexpected
+            try:
+                model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=config, dtype=DTYPES[cfg.dtype],
+                                                             trust_remote_code=cfg.trust_remote_code)
+            finally:
+                hf_logging.set_verbosity(verbosity)
         except (OSError, ValueError) as e:
             raise UserError(f"cannot load target {cfg.name_or_path!r}: {str(e).splitlines()[0]}") from None
-        return cls(quantize(model, quant), tokenizer, cfg.name_or_path, cfg.layer_ids)
+        model.config.num_hidden_layers = num_layers  # what the drafter and the exports describe is the whole target
+        return cls(quantize(model, quant), tokenizer, cfg.name_or_path, cfg.layer_ids, layers)
 
     def to(self, device) -> "FrozenTarget":
         self.model.to(device)
@@ -82,10 +99,32 @@ class FrozenTarget:
     def embed_tokens(self) -> torch.nn.Embedding:
         return self.model.get_input_embeddings()
 
+    def fingerprint(self) -> str:
+        """A hash of the config, the weight dtype and 256 rows each of the embeddings and lm_head:
+        the same whether or not the decoder layers are loaded (a target differing in those alone
+        and saved under the same name is not told apart)."""
+        config = {k: v for k, v in self.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+        digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+        digest.update(str(self.model.dtype).encode())
+        for module in (self.embed_tokens, self.model.get_output_embeddings()):
+            for name, tensor in sorted(module.state_dict().items()):
+                rows = tensor[:: max(1, len(tensor) // 256)] if tensor.dim() > 1 else tensor.reshape(1, -1)
+                digest.update(name.encode() + rows.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    @torch.no_grad()
+    def from_hidden(self, aux_hidden: list[torch.Tensor], last_hidden: torch.Tensor) -> TargetOutput:
+        """What __call__ returns, from hidden states computed earlier: logits are lm_head(hidden_states[L])."""
+        logits = self.model.get_output_embeddings()(last_hidden.to(self.model.dtype))
+        return TargetOutput(aux_hidden=[h.float() for h in aux_hidden], last_hidden=last_hidden.float(),
+                            logits=logits.float())
+
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  cache=None) -> TargetOutput:
         """Features and logits of every position; with a transformers Cache, continue after it."""
+        if not self.layers:
+            raise RuntimeError("this target was loaded without its decoder layers (layers=False)")
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
                          use_cache=cache is not None, output_hidden_states=True)
         return TargetOutput(aux_hidden=[out.hidden_states[k].float() for k in self.layer_ids],

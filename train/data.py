@@ -24,6 +24,9 @@ cut into rows; the other layouts keep each example whole: examples fill rows of 
 order, a row closes when the next does not fit and is padded (loss mask 0). An example longer
 than seq_len is truncated or skipped (data.overlong), examples with nothing to train on are
 dropped, and a summary line counts both.
+
+With data.hidden_states=cache each batch also carries the target's hidden states of its rows,
+read from a cache built once by train/hidden_cache.py, instead of the target computing them.
 """
 
 import itertools
@@ -48,6 +51,7 @@ CHAT_FIELDS = {"sharegpt": ("conversations", "from", "value"), "messages": ("mes
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 LISTED_PROBLEMS = 5
+CACHE_DTYPES = ("bfloat16", "float8_e4m3", "float32")  # float8_e4m3 with a float32 scale per token and layer
 
 
 @dataclass
@@ -63,6 +67,9 @@ class DataConfig:
     seq_len: int = 256
     batch_size: int = 8  # per process: the global batch is batch_size x processes x accumulate_grad_batches
     max_val_sequences: int = 32
+    hidden_states: str = "online"  # online: the target computes them each batch | cache: read from data.cache_dir
+    cache_dir: str | None = None  # built by `python -m train.hidden_cache` with the same config
+    cache_dtype: str = "bfloat16"  # how the cache stores hidden states: bfloat16 | float8_e4m3 | float32
 
     def __post_init__(self):
         one_of("data.source", self.source, ("stdlib", "file", "hub"))
@@ -76,6 +83,10 @@ class DataConfig:
                 "text for data.source=stdlib")
         require(self.chat_template is None or self.layout in CHAT_FIELDS, "data.chat_template", self.chat_template,
                 f"unset for data.layout={self.layout} (only sharegpt and messages use a chat template)")
+        one_of("data.hidden_states", self.hidden_states, ("online", "cache"))
+        require((self.cache_dir is None) == (self.hidden_states == "online"), "data.cache_dir", self.cache_dir,
+                "set for data.hidden_states=cache, and unset for online")
+        one_of("data.cache_dtype", self.cache_dtype, CACHE_DTYPES)
         at_least(8, data__seq_len=self.seq_len)
         at_least(1, data__batch_size=self.batch_size, data__max_val_sequences=self.max_val_sequences)
 
@@ -86,6 +97,11 @@ def load_examples(cfg: DataConfig) -> dict:
     """split -> the examples of that split (a datasets.Dataset or a list of dicts)."""
     if cfg.source == "stdlib":
         return stdlib_files(cfg.stdlib_path, cfg.include_tests)
+    return split_by_hash(read_examples(cfg))
+
+
+def read_examples(cfg: DataConfig):
+    """Every example of a file or hub source, in order, each checked against data.layout."""
     rows, where = read_hub(cfg) if cfg.source == "hub" else read_file(Path(cfg.path))
     if len(rows) == 0:
         raise UserError(f"data.path={cfg.path} holds no examples")
@@ -96,7 +112,7 @@ def load_examples(cfg: DataConfig) -> dict:
         except ValueError as e:
             problems.append(f"{where(i)}: {e}")
     refuse(f"data.path={cfg.path} (data.layout={cfg.layout})", problems, "malformed examples")
-    return split_by_hash(rows)
+    return rows
 
 
 def read_file(path: Path) -> tuple[list[dict] | datasets.Dataset, Callable[[int], str]]:
@@ -365,31 +381,35 @@ class EndlessShuffle(IterableDataset):
     """
 
     def __init__(self, rows: torch.Tensor, masks: torch.Tensor, seed: int, skip: int = 0, rank: int = 0,
-                 world_size: int = 1):
+                 world_size: int = 1, extra: Callable[[int], dict] | None = None):
         self.rows, self.masks, self.seed, self.skip = rows, masks, seed, skip
         self.rank, self.world_size = rank, world_size
+        self.extra = extra  # row index -> more fields of its item (cached hidden states)
 
     def __iter__(self):
-        return itertools.islice(self.stream(), self.rank, None, self.world_size)
+        # Shard the row indices, not the items: a process reads only its own rows' cached hidden states.
+        for i in itertools.islice(self.order(), self.rank, None, self.world_size):
+            yield {"input_ids": self.rows[i], "loss_mask": self.masks[i], **(self.extra(i) if self.extra else {})}
 
-    def stream(self):
+    def order(self):
         epoch, start = divmod(self.skip, len(self.rows))
         while True:
             order = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
-            for i in order[start:].tolist():
-                yield {"input_ids": self.rows[i], "loss_mask": self.masks[i]}
+            yield from order[start:].tolist()
             epoch, start = epoch + 1, 0
 
 
 class TextDataModule(L.LightningDataModule):
     """Packed rows of the examples with their loss masks; its state (rows consumed by all
-    processes together) makes resume exact, also under DDP."""
+    processes together) makes resume exact, also under DDP. With `hidden` set (a HiddenCache of
+    these very rows, train/hidden_cache.py), each item also carries its row's hidden states."""
 
     def __init__(self, cfg: DataConfig, files: dict, tokenizer, seed: int):
         super().__init__()
         self.cfg, self.files, self.tokenizer, self.seed = cfg, files, tokenizer, seed
         self.rows_consumed = 0
         self.train_rows = self.train_mask = self.val_rows = self.val_mask = None
+        self.hidden = None
 
     def setup(self, stage: str) -> None:
         if self.train_rows is None:
@@ -411,12 +431,17 @@ class TextDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # In-memory rows need no worker processes (which would each replay the stream).
         stream = EndlessShuffle(self.train_rows, self.train_mask, self.seed, self.rows_consumed,
-                                self.trainer.global_rank, self.trainer.world_size)
+                                self.trainer.global_rank, self.trainer.world_size, self.extra("train"))
         return DataLoader(stream, batch_size=self.cfg.batch_size)
 
     def val_dataloader(self) -> DataLoader:
-        val = [{"input_ids": r, "loss_mask": m} for r, m in zip(self.val_rows, self.val_mask)]
+        extra = self.extra("validation") or (lambda i: {})
+        val = [{"input_ids": row, "loss_mask": mask, **extra(i)}
+               for i, (row, mask) in enumerate(zip(self.val_rows, self.val_mask))]
         return DataLoader(val, batch_size=self.cfg.batch_size)
+
+    def extra(self, split: str) -> Callable[[int], dict] | None:
+        return None if self.hidden is None else lambda i: self.hidden.row(split, i)
 
     def state_dict(self) -> dict:
         # Checkpoints are written at optimizer-step boundaries, so this is exact.

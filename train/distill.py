@@ -5,11 +5,12 @@ from pathlib import Path
 
 from inference import report
 from speculators import draft_vocab, export
-from speculators.config import to_dataclass
+from speculators.config import require, to_dataclass
 from speculators.families import family
 from speculators.target import FrozenTarget
 from train.callbacks import ServeEvalCallback
 from train.data import TextDataModule, load_examples
+from train.hidden_cache import open_cache
 from train.module import DrafterModule
 from train.run import DrafterRecipe, fit, make_logger, make_trainer
 
@@ -17,9 +18,15 @@ from train.run import DrafterRecipe, fit, make_logger, make_trainer
 def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     drafter_class = family(recipe.drafter.get("family"))
     drafter_cfg = to_dataclass(drafter_class.config_class, recipe.drafter, "drafter")
-    target = FrozenTarget.load(recipe.target, recipe.quant)
+    cached = recipe.data.hidden_states == "cache"
+    every = recipe.serve_eval.every_n_steps
+    require(not (cached and every), "serve_eval.every_n_steps", every, "0 with data.hidden_states=cache (serving "
+            "needs the whole target, which a cached run loads only for the report after training)")
+    target = FrozenTarget.load(recipe.target, recipe.quant, layers=not cached)
     datamodule = TextDataModule(recipe.data, load_examples(recipe.data), target.tokenizer, recipe.seed)
     datamodule.setup("fit")
+    if cached:
+        datamodule.hidden = open_cache(recipe, target, datamodule)
     # The draft vocabulary is what the loss trains on: assistant/completion tokens, not prompts.
     counts = draft_vocab.count_tokens(datamodule.train_rows, datamodule.train_mask, target.vocab_size)
     drafter = drafter_class.from_target(drafter_cfg, target, counts)
@@ -40,6 +47,8 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
                              training=training_record(recipe, trainer))
     if trainer.logger:
         trainer.logger.experiment.finish()  # flush W&B before the closing lines, not after them
+    if cached:
+        target = FrozenTarget.load(recipe.target, recipe.quant).to(module.device)  # the whole target, to serve
     report_path = acceptance_report(drafter.eval(), target, offline, run_dir / "acceptance")
     print(f"\nexport: {export_dir}\nacceptance report: {report_path}")
 

@@ -1,0 +1,150 @@
+"""The hidden-state cache (train/hidden_cache.py): training from it gives the online loss, a
+cache built for anything else is refused, and its bytes per token are what its shards hold."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LAYER_IDS
+from test_cli import REPO, run_train
+from test_config import composed, typed
+
+from speculators.config import UserError
+from speculators.target import FrozenTarget
+from train import hidden_cache
+from train.data import EndlessShuffle, TextDataModule, load_examples
+from train.module import DrafterModule
+from train.optim import OptimConfig
+
+SEQ_LEN, ROWS_PER_SHARD = 32, 3
+# Relative loss difference allowed (measured on the tiny Llama: bf16 1e-5 to 3.3e-5, fp8 4e-4 to 1.8e-3);
+# float32 storage is exact: same hidden states, same lm_head.
+TOLERANCE = {"float32": 0.0, "bfloat16": 3e-4, "float8_e4m3": 1e-2}
+
+
+def recipe_for(target_dir, data_file, cache_dir, *overrides):
+    recipe, _ = typed(composed([
+        "conf=eagle3", "data=text", f"data.path={data_file}", f"data.seq_len={SEQ_LEN}", "data.batch_size=2",
+        "data.max_val_sequences=4", "data.hidden_states=cache", f"data.cache_dir={cache_dir}",
+        f"target.name_or_path={target_dir}", "target.layer_ids=[" + ",".join(map(str, LAYER_IDS)) + "]", *overrides]))
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    lines = [line for line in Path(textwrap.__file__).read_text().splitlines() if line.strip()]
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": "\n".join(lines[i : i + 4])}) + "\n" for i in range(0, 400, 4)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def caches(llama_dir, data_file, tmp_path_factory) -> dict[str, Path]:
+    """cache dtype -> a cache of the tiny Llama, in shards of ROWS_PER_SHARD rows (so rows cross shards)."""
+    root, built = tmp_path_factory.mktemp("caches"), {}
+    with pytest.MonkeyPatch.context() as patch:
+        for dtype, itemsize in (("float32", 4), ("bfloat16", 2), ("float8_e4m3", 1)):
+            patch.setattr(hidden_cache, "SHARD_BYTES", ROWS_PER_SHARD * (len(LAYER_IDS) + 1) * SEQ_LEN * 32 * itemsize)
+            recipe = recipe_for(llama_dir, data_file, root / dtype, f"data.cache_dtype={dtype}")
+            built[dtype] = hidden_cache.build(recipe)
+    return built
+
+
+def cached_data(recipe):
+    """The data module and head-only target a cached training run builds."""
+    head = FrozenTarget.load(recipe.target, recipe.quant, layers=False)
+    data = TextDataModule(recipe.data, load_examples(recipe.data), head.tokenizer, recipe.seed)
+    data.setup("fit")
+    data.hidden = hidden_cache.open_cache(recipe, head, data)
+    return head, data
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE)
+def test_training_from_the_cache_gives_the_online_loss(llama_dir, llama_target, make_drafter, data_file, caches, dtype):
+    recipe = recipe_for(llama_dir, data_file, caches[dtype], f"data.cache_dtype={dtype}")
+    head, data = cached_data(recipe)
+    assert not head.layers and head.num_layers == llama_target.num_layers
+    assert head.fingerprint() == llama_target.fingerprint()
+    drafter = make_drafter(llama_target)
+    online, cached = (DrafterModule(drafter, t, OptimConfig(), 1) for t in (llama_target, head))
+    stream = EndlessShuffle(data.train_rows, data.train_mask, seed=0, extra=data.extra("train"))
+    train_batch = torch.utils.data.default_collate([item for item, _ in zip(stream, range(8))])  # crosses shards
+    for batch in (train_batch, next(iter(data.val_dataloader()))):
+        ids, mask = batch["input_ids"], batch["loss_mask"]
+        loss_online, _ = drafter.training_loss(online.target_outputs({"input_ids": ids, "loss_mask": mask}), ids, mask)
+        loss_cached, _ = drafter.training_loss(cached.target_outputs(batch), ids, mask)
+        if dtype == "float32":
+            assert torch.equal(loss_cached, loss_online)
+        else:
+            assert abs(loss_cached - loss_online) <= TOLERANCE[dtype] * loss_online
+
+
+@pytest.mark.parametrize("dtype, itemsize", [("float32", 4), ("bfloat16", 2), ("float8_e4m3", 1)])
+def test_bytes_per_token_is_what_the_shards_hold(caches, dtype, itemsize):
+    index = json.loads((caches[dtype] / "index.json").read_text())
+    files = sorted(p.name for p in caches[dtype].glob("*.safetensors"))
+    assert files == sorted(shard["file"] for split in index["shards"].values() for shard in split)
+    assert len(index["shards"]["train"]) > 1 and index["rows"]["train"] > ROWS_PER_SHARD
+    size = sum((caches[dtype] / f).stat().st_size for f in files)
+    tokens = sum(index["rows"].values()) * SEQ_LEN
+    assert index["bytes"] == size and index["bytes_per_token"] == size / tokens
+    payload = (len(LAYER_IDS) + 1) * (32 * itemsize + (4 if dtype == "float8_e4m3" else 0))  # + the fp8 scale
+    assert payload <= index["bytes_per_token"] < payload * 1.1  # the rest: safetensors headers
+    assert index["layer_ids"] == LAYER_IDS and index["seq_len"] == SEQ_LEN and index["dtype"] == dtype
+
+
+@pytest.mark.parametrize("override, key", [
+    ("target.layer_ids=[1,2,3]", "layer_ids"), ("target.name_or_path={qwen3}", "target_fingerprint"),
+    ("quant=int8", "quant"), ("data.cache_dtype=float32", "dtype"), ("data.seq_len=48", "seq_len"),
+    ("data.max_val_sequences=3", "data_fingerprint"),
+])
+def test_a_cache_built_for_anything_else_is_refused_naming_both(llama_dir, qwen3_dir, data_file, caches, override, key):
+    recipe = recipe_for(llama_dir, data_file, caches["bfloat16"], override.format(qwen3=qwen3_dir))
+    with pytest.raises(UserError) as error:
+        cached_data(recipe)
+    built = json.loads((caches["bfloat16"] / "index.json").read_text())[key]
+    assert f"was built for {key} {built}" in str(error.value) and f"this run has {key} " in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_a_missing_cache_and_an_existing_output_are_one_line_errors(llama_dir, data_file, caches, tmp_path):
+    with pytest.raises(UserError, match="holds no hidden-state cache"):
+        cached_data(recipe_for(llama_dir, data_file, tmp_path / "none"))
+    with pytest.raises(UserError, match="already exists; pass overwrite=true"):
+        hidden_cache.build(recipe_for(llama_dir, data_file, caches["bfloat16"]))
+    with pytest.raises(UserError, match="data.cache_dir=None .* set for data.hidden_states=cache"):
+        recipe_for(llama_dir, data_file, "null")
+    with pytest.raises(UserError, match="data.cache_dtype"):
+        recipe_for(llama_dir, data_file, tmp_path, "data.cache_dtype=int4")
+
+
+def test_the_target_without_layers_refuses_to_run(llama_dir, llama_target, text_batch):
+    head = FrozenTarget(llama_target.model, llama_target.tokenizer, str(llama_dir), LAYER_IDS, layers=False)
+    with pytest.raises(RuntimeError, match="without its decoder layers"):
+        head(text_batch)
+
+
+def test_build_then_train_from_the_cache_on_the_command_line(llama_dir, data_file, tmp_path):
+    common = ["conf=eagle3", "data=text", f"data.path={data_file}", f"data.seq_len={SEQ_LEN}", "data.batch_size=2",
+              "data.max_val_sequences=2", "data.hidden_states=cache", f"data.cache_dir={tmp_path / 'cache'}",
+              f"target.name_or_path={llama_dir}", "target.layer_ids=[" + ",".join(map(str, LAYER_IDS)) + "]",
+              "trainer.num_threads=1", "logger=none"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
+    built = subprocess.run([sys.executable, "-m", "train.hidden_cache", *common, f"hydra.run.dir={tmp_path / 'b'}"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert "bytes per token" in built.stdout.splitlines()[-1]
+
+    train = common + ["trainer.max_steps=2", "drafter.ttt_steps=2", "drafter.draft_vocab_size=64",
+                      "trainer.val_every_n_steps=2", "trainer.checkpoint_every_n_steps=2", "trainer.progress_bar=false",
+                      f"hydra.run.dir={tmp_path / 'run'}"]
+    refused = run_train(train, cwd=tmp_path, timeout=600)  # eagle3.yaml serves the drafter every 100 steps
+    assert refused.returncode != 0 and "serve_eval.every_n_steps=100 is not valid" in refused.stderr.splitlines()[-1]
+    result = run_train(train + ["serve_eval.every_n_steps=0"], cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "run" / "export" / "config.json").is_file() and "acceptance report:" in result.stdout

@@ -1,0 +1,174 @@
+"""The hidden-state cache: run the frozen target once over the training data, keep what the
+drafter's loss reads from it, and train many drafters from that without the target's layers.
+
+    python -m train.hidden_cache conf=eagle3 data.hidden_states=cache data.cache_dir=cache/pycode
+    python train.py conf=eagle3 data.hidden_states=cache data.cache_dir=cache/pycode serve_eval.every_n_steps=0
+
+Both commands take the same config: the cache holds the rows of the train and validation splits
+as the data module builds them. Per row of seq_len tokens a shard stores `hidden`
+[rows, len(layer_ids) + 1, seq_len, H]: hidden_states[k] for each layer id, then hidden_states[L]
+(after the final norm). Logits are not stored: they are lm_head(hidden_states[L]), which the
+target's lm_head recomputes in training (V/H times fewer bytes: 31x for Llama 3 8B; a
+check on the first batch refuses a target whose logits are more than that, e.g. soft-capped).
+float8_e4m3 scales each token's vector of each layer by its absmax / 448 (`scale`, float32).
+
+index.json records what the cache was built from; training refuses a cache whose target
+weights, layer ids, quantization, data rows, storage dtype or seq_len differ from its own.
+"""
+
+import hashlib
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from speculators.config import UserError, exit_on_user_error, run_cli, to_dataclass
+from speculators.export import check_writable, move_into_place
+from speculators.target import FrozenTarget
+from train.data import TextDataModule, load_examples
+
+STORED = {"bfloat16": torch.bfloat16, "float8_e4m3": torch.float8_e4m3fn, "float32": torch.float32}
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+SHARD_BYTES = 1 << 30
+CHECKED = ("target_fingerprint", "layer_ids", "quant", "dtype", "seq_len", "data_fingerprint")
+
+
+def identity(recipe, target: FrozenTarget, data: TextDataModule) -> dict:
+    """What a cache must have been built from to stand in for this run's target."""
+    rows = hashlib.sha256()
+    for tensor in (data.train_rows, data.train_mask, data.val_rows, data.val_mask):
+        rows.update(tensor.contiguous().numpy().tobytes())
+    return {"target": target.name_or_path, "target_fingerprint": target.fingerprint(), "layer_ids": target.layer_ids,
+            "quant": asdict(recipe.quant), "dtype": recipe.data.cache_dtype, "seq_len": recipe.data.seq_len,
+            "data_fingerprint": rows.hexdigest()[:16]}
+
+
+def encode(hidden: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    if dtype != "float8_e4m3":
+        return {"hidden": hidden.to(STORED[dtype]).contiguous()}
+    scale = hidden.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return {"hidden": (hidden / scale).to(torch.float8_e4m3fn), "scale": scale.squeeze(-1).contiguous()}
+
+
+def decode(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    hidden = tensors["hidden"].float()
+    return hidden * tensors["scale"].unsqueeze(-1) if "scale" in tensors else hidden
+
+
+# Building ---------------------------------------------------------------------------------------
+
+def build(recipe, device: str = "cpu") -> Path:
+    """Write data.cache_dir (through a .partial folder renamed into place) and return it."""
+    out = Path(recipe.data.cache_dir)
+    check_writable(out, recipe.overwrite)
+    target = FrozenTarget.load(recipe.target, recipe.quant).to(device)
+    data = TextDataModule(recipe.data, load_examples(recipe.data), target.tokenizer, recipe.seed)
+    data.setup("fit")
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    splits = {"train": data.train_rows, "validation": data.val_rows}
+    with tqdm(total=sum(len(rows) for rows in splits.values()), unit="row", desc="hidden states") as bar:
+        shards = {split: write_split(target, rows, recipe.data, partial, split, bar) for split, rows in splits.items()}
+    tokens = sum(len(rows) for rows in splits.values()) * recipe.data.seq_len
+    size = sum((partial / shard["file"]).stat().st_size for split in shards.values() for shard in split)
+    index = {**identity(recipe, target, data), "target_dtype": recipe.target.dtype, "hidden_size": target.hidden_size,
+             "rows": {split: len(rows) for split, rows in splits.items()}, "bytes": size,
+             "bytes_per_token": size / tokens, "shards": shards}
+    (partial / "index.json").write_text(json.dumps(index, indent=2))
+    move_into_place(partial, out)
+    print(f"hidden-state cache: {out}: {tokens} tokens in {size / 2**20:.1f} MiB, {size / tokens:.1f} bytes per token "
+          f"({recipe.data.cache_dtype}, {len(target.layer_ids)} layers + the last)")
+    return out
+
+
+def write_split(target: FrozenTarget, rows: torch.Tensor, cfg, folder: Path, split: str, bar) -> list[dict]:
+    """Shards of about SHARD_BYTES holding the split's rows in order."""
+    device = target.embed_tokens.weight.device
+    row_bytes = (len(target.layer_ids) + 1) * cfg.seq_len * target.hidden_size * STORED[cfg.cache_dtype].itemsize
+    per_shard, shards = max(1, SHARD_BYTES // row_bytes), []
+    for start in range(0, len(rows), per_shard):
+        parts = []
+        for batch in rows[start : start + per_shard].split(cfg.batch_size):
+            out = target(batch.to(device))
+            if not shards and not parts:
+                check_logits_recomputable(target, out)
+            parts.append(torch.stack([*out.aux_hidden, out.last_hidden], 1).cpu())
+            bar.update(len(batch))
+        hidden = torch.cat(parts)
+        name = f"{split}-{len(shards):05d}.safetensors"
+        save_file(encode(hidden, cfg.cache_dtype), folder / name)
+        shards.append({"file": name, "rows": len(hidden)})
+    return shards
+
+
+def check_logits_recomputable(target: FrozenTarget, out) -> None:
+    recomputed = target.from_hidden(out.aux_hidden, out.last_hidden).logits
+    if not torch.allclose(recomputed, out.logits, rtol=1e-4, atol=1e-4):
+        raise UserError(f"target {target.name_or_path}: its logits are not lm_head(final hidden state) (logit "
+                        "soft-capping?), which the cache relies on; train it with data.hidden_states=online")
+
+
+# Reading ----------------------------------------------------------------------------------------
+
+class HiddenCache:
+    """A built cache; rows are read from the memory-mapped shards as batches ask for them."""
+
+    def __init__(self, folder: Path, index: dict):
+        self.shards = {split: [(safe_open(str(folder / shard["file"]), "pt"), shard["rows"]) for shard in shards]
+                       for split, shards in index["shards"].items()}
+
+    def row(self, split: str, i: int) -> dict[str, torch.Tensor]:
+        """{"aux_hidden": [len(layer_ids), T, H], "last_hidden": [T, H]} in float32, of row i of `split`."""
+        for shard, rows in self.shards[split]:
+            if i < rows:
+                break
+            i -= rows
+        hidden = decode({name: shard.get_slice(name)[i : i + 1] for name in shard.keys()})[0]
+        return {"aux_hidden": hidden[:-1], "last_hidden": hidden[-1]}
+
+
+def open_cache(recipe, target: FrozenTarget, data: TextDataModule) -> HiddenCache:
+    """The cache at data.cache_dir, if it was built from this run's target, data and settings."""
+    folder = Path(recipe.data.cache_dir)
+    if not (folder / "index.json").is_file():
+        raise UserError(f"data.cache_dir={folder} holds no hidden-state cache (no index.json); build it with "
+                        "`python -m train.hidden_cache` and this run's config")
+    index = json.loads((folder / "index.json").read_text())
+    expected = identity(recipe, target, data)
+    for key in CHECKED:
+        if index[key] != expected[key]:
+            built, wanted = (f"{index[key]} ({index['target']})", f"{expected[key]} ({expected['target']})") \
+                if key == "target_fingerprint" else (index[key], expected[key])
+            raise UserError(f"data.cache_dir={folder} was built for {key} {built}, this run has {key} {wanted}; "
+                            "rebuild it with `python -m train.hidden_cache` and this run's config")
+    return HiddenCache(folder, index)
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    from train.run import DrafterRecipe
+
+    if cfg.get("recipe") != "drafter":
+        raise UserError(f"recipe={cfg.get('recipe')}: hidden-state caches are for drafter recipes (conf=eagle3, ...)")
+    recipe = to_dataclass(DrafterRecipe, cfg)
+    if recipe.data.hidden_states != "cache":
+        raise UserError("python -m train.hidden_cache writes data.cache_dir: pass data.hidden_states=cache "
+                        "data.cache_dir=<dir>, as training from it will")
+    if recipe.trainer.num_threads:
+        torch.set_num_threads(recipe.trainer.num_threads)
+    accelerator = recipe.trainer.accelerator
+    gpu = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
+    build(recipe, "cuda" if gpu else "cpu")
+
+
+if __name__ == "__main__":
+    run_cli(main)
