@@ -13,6 +13,13 @@ A Proposer lives for one generation and holds the drafter's cache:
   pass's features of the positions before each of them.
 
 The table PROPOSERS maps (drafter.drafting_kind, mode) to a proposer class.
+
+Batches (engine.generate_batch) draft chains only, through a BatchProposer (BATCH_PROPOSERS,
+by drafting_kind): `accept(inputs [B, m], target_out)` (the prefill too: the left-padded
+prompts shifted by one, then the first token), `propose(temperature, generator) -> (tokens
+[B, k], q [B, k, V] or None)`, and `select(index)` to keep the rows still decoding. Its rows
+are left-padded like the target's session (inference.sessions): drafter cache slot s of row r
+has rotary position s - pads[r], and no real query sees a pad slot.
 """
 
 from dataclasses import dataclass
@@ -275,3 +282,76 @@ class MedusaTreeProposer(MedusaChainProposer):
 
 PROPOSERS["heads", "chain"] = MedusaChainProposer
 PROPOSERS["heads", "tree"] = MedusaTreeProposer
+
+
+# --- batches ------------------------------------------------------------------------------------
+
+
+class BatchChainProposer:
+    """ChainProposer for a left-padded batch: every row drafts k tokens, one drafter step per
+    draft for all rows at once. Same cache indexing: slot s holds (token s+1, features of s)."""
+
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, pads: torch.Tensor):
+        self.drafter, self.k, self.vocab_size, self.pads = drafter, k, vocab_size, pads
+        self.to_target = drafter.draft_to_target
+        self.cache = drafter.new_cache(len(pads), max_len)
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor):
+        """drafter.step at each row's own positions, pad slots hidden (a pad query sees itself only)."""
+        start, end = self.cache.length, self.cache.length + tokens.shape[1]
+        slots, keys = torch.arange(start, end), torch.arange(end)
+        positions = (slots[None] - self.pads[:, None]).clamp(min=0)[:, None]  # [B, 1, m]
+        visible = (keys[None] <= slots[:, None]) & ((keys[None, None] >= self.pads[:, None, None]) |
+                                                     (keys[None] == slots[:, None]))
+        return self.drafter.step(self.cache, tokens, hidden, positions=positions, visible=visible[:, None])
+
+    def accept(self, inputs: torch.Tensor, target_out: TargetOutput) -> None:
+        self.logits, self.hidden = self.step(inputs, self.drafter.features(target_out))
+
+    def propose(self, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        verified, tokens, probs = self.cache.length, [], []
+        logits, hidden = self.logits[:, -1:], self.hidden[:, -1:]
+        for i in range(self.k):
+            if i:
+                logits, hidden = self.step(tokens[-1][:, None], hidden)
+            if temperature == 0:
+                tokens.append(self.to_target[logits[:, -1].argmax(-1)])
+            else:
+                q = logits.new_zeros(len(logits), self.vocab_size)
+                q[:, self.to_target] = torch.softmax(logits[:, -1] / temperature, -1)  # q in the target vocabulary
+                tokens.append(torch.multinomial(q, 1, generator=generator)[:, 0])
+                probs.append(q)
+        self.cache.crop(verified)
+        return torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None
+
+    def select(self, index: torch.Tensor) -> None:
+        self.cache.k, self.cache.v, self.pads = self.cache.k[index], self.cache.v[index], self.pads[index]
+
+
+class BatchMedusaChainProposer(MedusaChainProposer):
+    """MedusaChainProposer for a batch: no drafter cache, each row's heads read its last position."""
+
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, pads: torch.Tensor):
+        super().__init__(drafter, k, vocab_size, max_len, DraftingConfig())
+
+    def accept(self, inputs: torch.Tensor, target_out: TargetOutput) -> None:
+        self.logits = self.drafter.head_logits(target_out.last_hidden[:, -1])[:, : self.k]  # [B, k, V]
+
+    def propose(self, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if temperature == 0:
+            return self.logits.argmax(-1), None
+        q = torch.softmax(self.logits / temperature, -1)
+        return torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(q.shape[:2]), q
+
+    def select(self, index: torch.Tensor) -> None:
+        pass  # accept() replaces the only state
+
+
+BATCH_PROPOSERS = {"autoregressive": BatchChainProposer, "heads": BatchMedusaChainProposer}
+
+
+def make_batch_proposer(drafter, k: int, vocab_size: int, max_len: int, pads: torch.Tensor):
+    kind = getattr(drafter, "drafting_kind", "autoregressive")
+    if kind not in BATCH_PROPOSERS:
+        raise UserError(f"batches of prompts are not served for a {type(drafter).__name__} yet; use batch_size=1")
+    return BATCH_PROPOSERS[kind](drafter, k, vocab_size, max_len, pads)

@@ -15,6 +15,9 @@ Medusa candidate tree, a one-pass parallel draft. The loop sees only a Draft (no
 parent links), verifies all of it in one target pass (tree attention when it is a tree),
 keeps the accepted root-to-leaf path in the target's cache and hands the accepted tokens
 with their target features back to the proposer.
+
+Batches (generate_batch): B prompts decoded together, chains only; a batch of one is
+`generate` itself, unchanged. See generate_batch for the scheme and why it stays exact.
 """
 
 import time
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
-from inference.drafting import Draft, DraftingConfig, make_proposer
+from inference.drafting import Draft, DraftingConfig, make_batch_proposer, make_proposer
 from inference.sessions import open_session
 from speculators.config import UserError
 from speculators.target import FrozenTarget, TargetOutput
@@ -36,7 +39,8 @@ class Stats:
     k: int
     num_drafts: int = 0
     num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    num_accepted_tokens: int = 0  # committed: in a batch, each row's accepted drafts cut to the batch's common advance
+    row_accepted_tokens: int = 0  # what each row's own verification accepted; = num_accepted_tokens at batch 1
     accepted_at: list[int] = field(default_factory=list)  # drafts whose token i was accepted, i = 1..k
     target_forwards: int = 0
     ttft_s: float = 0.0
@@ -47,15 +51,16 @@ class Stats:
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.k
 
-    def record(self, accepted: int, proposed: int) -> None:
+    def record(self, accepted: int, proposed: int, row_accepted: int | None = None) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
+        self.row_accepted_tokens += accepted if row_accepted is None else row_accepted
         for i in range(accepted):
             self.accepted_at[i] += 1
 
     def add(self, other: "Stats") -> None:
-        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_forwards", "ttft_s", "decode_s",
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "row_accepted_tokens", "target_forwards", "ttft_s", "decode_s",
                      "draft_s", "verify_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
@@ -157,6 +162,130 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
         stats.draft_s += (verifying - drafting_started) + (time.perf_counter() - reading)
     stats.decode_s = time.perf_counter() - started - stats.ttft_s
     return Generation(truncate(tokens, max_new_tokens, eos), stats)
+
+
+@dataclass
+class BatchGeneration:
+    tokens: list[list[int]]  # per prompt, in the order given
+    stats: Stats  # the whole batch: one draft per row per verification step; times are the batch's
+
+
+@torch.no_grad()
+def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_new_tokens: int, k: int = 5,
+                   temperature: float = 0.0, seed: int = 0, drafting: DraftingConfig | None = None) -> BatchGeneration:
+    """Decode several prompts together: one target pass per step verifies every row's chain.
+
+    Prompts are left-padded to the longest (inference.sessions). Each step every row drafts k
+    tokens, the target verifies all rows in one pass, and row r's verification accepts n_r of
+    its drafts and yields y_{n_r+1} (its correction or bonus). The caches stay rectangular
+    because every row advances by the same m = min n_r over the rows that do not finish in this
+    step (EOS or max_new_tokens within y_1..y_{n_r+1}; if all finish, m = k): row r emits
+    y_1..y_{min(m, n_r)+1} (min(m, n_r) = m for every row that goes on, whose token y_{m+1} is
+    then its accepted draft m+1 when n_r > m), and both caches roll back to the common length.
+    Finished rows leave the batch (select).
+
+    Why this stays exact. Greedy: a row emits a prefix of what its own verification emitted,
+    and that is target-only greedy. Sampling: rejection sampling emits y_j ~ p(. | y_<j) at
+    every position it reaches; whether row r's y_j is emitted depends on n_r >= j-1 (decided by
+    positions before j, as in plain speculative decoding) and on the other rows' outcomes
+    (independent draws), never on y_j itself: if row r finishes at y_f it does not constrain m,
+    but it emits min(m, n_r)+1 tokens either way, since m is then the others' minimum. Cutting a
+    lossless sequence at such a stopping time keeps it lossless; the next step starts afresh
+    from the emitted prefix.
+
+    Stats (vLLM's definitions, one draft per row per step): num_accepted_tokens and
+    accepted_at count the committed min(m, n_r), so tau = 1 + accepted/drafts is tokens
+    emitted per row per target pass; row_accepted_tokens counts n_r, the drafter's own
+    acceptance, comparable with batch 1. Drafting trees is refused: chains only.
+    """
+    drafting = drafting or DraftingConfig()
+    if len(prompts) == 1:
+        one = generate(target, drafter, prompts[0], max_new_tokens, k, temperature, seed, drafting)
+        return BatchGeneration([one.tokens], one.stats)
+    if drafting.mode == "tree":
+        raise UserError(f"drafting.mode=tree decodes one prompt at a time; {len(prompts)} prompts in a batch need "
+                        f"drafting.mode=chain (or batch_size=1)")
+    longest = max(len(prompt) for prompt in prompts)
+    limit = target.config.max_position_embeddings
+    if longest + max_new_tokens + k + 1 > limit:
+        raise UserError(f"prompt of {longest} tokens + {max_new_tokens} new + {k} drafts exceeds the "
+                        f"target's context of {limit} positions")
+    k = k if drafter is not None else 0
+    generator = torch.Generator().manual_seed(seed)
+    eos = target.tokenizer.eos_token_id
+    pads = torch.tensor([longest - len(prompt) for prompt in prompts])
+    ids = torch.tensor([[0] * (longest - len(prompt)) + prompt for prompt in prompts])  # any id pads: never seen
+    max_len = longest + max_new_tokens + 1 + k
+    stats, session = Stats(k), open_session(target, max_len, pads)
+    proposer = make_batch_proposer(drafter, k, target.vocab_size, max_len, pads) if k else None
+    outputs: list[list[int]] = [[] for _ in prompts]
+    rows = list(range(len(prompts)))  # the prompt each batch row decodes
+    started = time.perf_counter()
+    out = session(ids)
+    new = pick_rows(out.logits[:, -1], temperature, generator)[:, None]
+    stats.target_forwards, stats.ttft_s = 1, time.perf_counter() - started
+    emitted = torch.ones(len(prompts), dtype=torch.long)  # tokens of `new` each row emits
+    inputs = torch.cat([ids[:, 1:], new], 1)  # what the drafter reads next: the token after each position
+    while True:
+        for row, (tokens, count) in enumerate(zip(new.tolist(), emitted.tolist())):
+            outputs[rows[row]] += tokens[:count]
+        going = [row for row, prompt in enumerate(rows) if len(outputs[prompt]) < max_new_tokens
+                 and eos not in outputs[prompt][-int(emitted[row]):]]
+        if not going:
+            break
+        if len(going) < len(rows):  # rows that finished leave the batch
+            index = torch.tensor(going)
+            rows, new, inputs, out = [rows[r] for r in going], new[index], inputs[index], select_batch(out, index)
+            session.select(index)
+            if proposer:
+                proposer.select(index)
+        last = new[:, -1]
+        if not k:
+            out = session(last[:, None])
+            new, emitted = pick_rows(out.logits[:, -1], temperature, generator)[:, None], torch.ones_like(last)
+            stats.target_forwards += 1
+            continue
+        drafting_started = time.perf_counter()
+        proposer.accept(inputs, out)  # the prefill on the first step
+        drafts, probs = proposer.propose(temperature, generator)
+        verifying = time.perf_counter()
+        start = session.length
+        out = session(torch.cat([last[:, None], drafts], 1))
+        stats.verify_s += time.perf_counter() - verifying
+        stats.draft_s += verifying - drafting_started
+        stats.target_forwards += 1
+        if temperature == 0:
+            accepted, token = kernels.verify_greedy(drafts, out.logits)
+        else:
+            uniform = torch.rand(len(drafts), k + 1, generator=generator)
+            accepted, token = kernels.verify_sampling(drafts, probs, out.logits, temperature, uniform)
+        # y_1..y_{n_r+1} of each row: its accepted drafts, then its correction or bonus token (then -1).
+        j = torch.arange(k + 1)[None]
+        ys = torch.where(j < accepted[:, None], torch.cat([drafts, token[:, None]], 1),
+                         torch.where(j == accepted[:, None], token[:, None], -1))
+        finishing = [len(outputs[prompt]) + int(accepted[row]) + 1 >= max_new_tokens or eos in ys[row].tolist()
+                     for row, prompt in enumerate(rows)]
+        m = min((int(n) for n, done in zip(accepted, finishing) if not done), default=k)
+        emitted = accepted.clamp(max=m) + 1
+        new = ys[:, : m + 1]
+        for n in accepted.tolist():
+            stats.record(min(n, m), k, n)
+        session.crop(start + m + 1)  # every row that goes on has its root and m accepted drafts in the cache
+        inputs, out = new, select_batch(out, torch.arange(m + 1), dim=1)
+    stats.decode_s = time.perf_counter() - started - stats.ttft_s
+    return BatchGeneration([truncate(tokens, max_new_tokens, eos) for tokens in outputs], stats)
+
+
+def pick_rows(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of logits [B, V]."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    return torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
+
+
+def select_batch(out: TargetOutput, index: torch.Tensor, dim: int = 0) -> TargetOutput:
+    return TargetOutput(aux_hidden=[h.index_select(dim, index) for h in out.aux_hidden],
+                        last_hidden=out.last_hidden.index_select(dim, index), logits=out.logits.index_select(dim, index))
 
 
 def target_pass(session, root: int, draft: Draft):

@@ -2,7 +2,8 @@
 
 Writes <out>/report.json (vLLM's metric definitions, DESIGN.md section 3), <out>/acceptance.png
 (acceptance rate per draft position) and prints a table. Baseline and speculative runs are
-interleaved prompt by prompt, so both see the same machine load.
+interleaved batch by batch (`batch_size` prompts decoded together, both ways), so both see the
+same machine load. The report has the same keys at every batch size.
 """
 
 import json
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from inference.drafting import DraftingConfig
-from inference.engine import Stats, check_pair, generate
+from inference.engine import Stats, check_pair, generate_batch
 from speculators import corpus
 from speculators.config import UserError, at_least, require
 from train.run import LoggerConfig, wandb_mode
@@ -32,13 +33,18 @@ class InferenceConfig:
     temperature: float = 0.0
     num_speculative_tokens: int = 5  # chain length; tree depth with drafting.mode=tree
     drafting: DraftingConfig = field(default_factory=DraftingConfig)
+    batch_size: int = 1  # prompts decoded together (chains only); 1 is the single-sequence fast path
     seed: int = 0
     out: str | None = None  # None: the Hydra run directory
     logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(kind="none"))  # kind=wandb to log the report
 
     def __post_init__(self):
         at_least(0, num_speculative_tokens=self.num_speculative_tokens, temperature=self.temperature)
-        at_least(1, num_prompts=self.num_prompts, prompt_lines=self.prompt_lines, max_new_tokens=self.max_new_tokens)
+        at_least(1, num_prompts=self.num_prompts, prompt_lines=self.prompt_lines, max_new_tokens=self.max_new_tokens,
+                 batch_size=self.batch_size)
+        if self.batch_size > 1 and self.drafting.mode == "tree":
+            raise UserError(f"drafting.mode=tree decodes one prompt at a time; batch_size={self.batch_size} needs "
+                            f"drafting.mode=chain (or batch_size=1)")
         require(0 <= self.seed < 2**32, "seed", self.seed, "in [0, 2**32 - 1], as for training")
 
 
@@ -78,16 +84,23 @@ def measure(target, drafter, prompts: list[str], cfg: InferenceConfig) -> dict:
     k = cfg.num_speculative_tokens
     if drafter is not None and k:
         check_pair(target, drafter)
-    spec_total, base_total, rows = Stats(k), Stats(0), []
-    for i, text in enumerate(prompts):
-        ids = target.tokenizer(text)["input_ids"]
-        base = generate(target, None, ids, cfg.max_new_tokens, 0, cfg.temperature, cfg.seed + i)
-        spec = generate(target, drafter, ids, cfg.max_new_tokens, k, cfg.temperature, cfg.seed + i, cfg.drafting)
+    spec_total, base_total, rows, steps, base_steps = Stats(k), Stats(0), [], 0, 0
+    size = cfg.batch_size
+    for first in range(0, len(prompts), size):  # batch by batch; seed: that of the batch's first prompt
+        texts = prompts[first : first + size]
+        ids = [target.tokenizer(text)["input_ids"] for text in texts]
+        base = generate_batch(target, None, ids, cfg.max_new_tokens, 0, cfg.temperature, cfg.seed + first)
+        spec = generate_batch(target, drafter, ids, cfg.max_new_tokens, k, cfg.temperature, cfg.seed + first,
+                              cfg.drafting)
         base_total.add(base.stats)
         spec_total.add(spec.stats)
-        rows.append({"prompt": text, "prompt_ids": ids, "output_ids": spec.tokens,
-                     "output": target.tokenizer.decode(spec.tokens), "baseline_output_ids": base.tokens,
-                     "matches_baseline": spec.tokens == base.tokens})
+        steps += max(map(len, spec.tokens)) - 1  # decode steps a request of the batch waits through
+        base_steps += max(map(len, base.tokens)) - 1
+        for text, prompt_ids, out, baseline in zip(texts, ids, spec.tokens, base.tokens):
+            rows.append({"prompt": text, "prompt_ids": prompt_ids, "output_ids": out,
+                         "output": target.tokenizer.decode(out), "baseline_output_ids": baseline,
+                         "matches_baseline": out == baseline})
+    batches = -(-len(prompts) // size)
     new_tokens = sum(len(r["output_ids"]) for r in rows)
     base_tokens = sum(len(r["baseline_output_ids"]) for r in rows)
     drafts = max(spec_total.num_drafts, 1)
@@ -95,6 +108,8 @@ def measure(target, drafter, prompts: list[str], cfg: InferenceConfig) -> dict:
     base_speed = base_tokens / (base_total.ttft_s + base_total.decode_s)
     return {
         "acceptance_length": 1 + spec_total.num_accepted_tokens / drafts,
+        # Each row's own verification, before a batch cuts it to the common advance (= the above at batch 1).
+        "acceptance_length_per_row": 1 + spec_total.row_accepted_tokens / drafts,
         "acceptance_rate_per_position": [a / drafts for a in spec_total.accepted_at],
         "num_drafts": spec_total.num_drafts,
         "num_draft_tokens": spec_total.num_draft_tokens,
@@ -104,9 +119,9 @@ def measure(target, drafter, prompts: list[str], cfg: InferenceConfig) -> dict:
         "tokens_per_second": spec_speed,
         "baseline_tokens_per_second": base_speed,
         "speedup": spec_speed / base_speed,
-        "ttft_s": spec_total.ttft_s / len(prompts),
-        "tpot_s": spec_total.decode_s / max(new_tokens - len(prompts), 1),
-        "baseline_tpot_s": base_total.decode_s / max(base_tokens - len(prompts), 1),
+        "ttft_s": spec_total.ttft_s / batches,  # every prompt of a batch waits for the batch's prefill
+        "tpot_s": spec_total.decode_s / max(steps, 1),
+        "baseline_tpot_s": base_total.decode_s / max(base_steps, 1),
         "time_split_s": {"draft": spec_total.draft_s, "verify": spec_total.verify_s,
                          "other": spec_total.decode_s - spec_total.draft_s - spec_total.verify_s,
                          "first_token": spec_total.ttft_s},

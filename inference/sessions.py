@@ -6,6 +6,14 @@ moving `length`, and one decode step is a few dozen PyTorch calls. Per-call over
 arithmetic, decides decode speed for small models on CPUs (DESIGN.md section 5), and HF's
 generic forward spends most of a step there. `HFSession` runs any other causal LM through
 transformers with a DynamicCache. Both return a speculators.target.TargetOutput.
+
+A batch of prompts of different lengths is left-padded to a common length: `pads[r]` slots
+before row r's first token. Row r's token at cache slot s has position s - pads[r] (its rotary
+angle, or HF's position_ids), and no real query sees a pad slot; a pad slot's query sees only
+itself, so its (unused) outputs stay finite instead of softmax-over-nothing NaNs that would
+leak into real rows through 0 * NaN. Every row advances by the same number of tokens, so one
+`length` serves the batch; `select(index)` keeps the rows still decoding. Without `pads` the
+session decodes one sequence, exactly as before.
 """
 
 import torch
@@ -19,16 +27,34 @@ STATIC_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 
 
 class HFSession:
-    def __init__(self, target: FrozenTarget):
-        self.target, self.cache, self.length = target, DynamicCache(), 0
+    def __init__(self, target: FrozenTarget, pads: torch.Tensor | None = None):
+        self.target, self.cache, self.length, self.pads = target, DynamicCache(), 0, pads
 
     def __call__(self, tokens: torch.Tensor, tree: torch.Tensor | None = None,
                  depths: torch.Tensor | None = None) -> TargetOutput:
         if tree is not None:
             raise UserError(f"tree drafts need a Llama-family target ({', '.join(sorted(STATIC_MODEL_TYPES))}) "
                             f"without a sliding window; use drafting.mode=chain")
+        if self.pads is not None:
+            return self.padded(tokens)
         self.length += tokens.shape[1]
         return self.target(tokens, cache=self.cache)
+
+    def padded(self, tokens: torch.Tensor) -> TargetOutput:
+        """A left-padded batch: attention mask over every slot so far, position ids per row."""
+        start, end = self.length, self.length + tokens.shape[1]
+        mask = torch.arange(end, device=tokens.device)[None] >= self.pads[:, None]
+        positions = (torch.arange(start, end, device=tokens.device)[None] - self.pads[:, None]).clamp(min=0)
+        out = self.target.model(input_ids=tokens, attention_mask=mask.long(), position_ids=positions,
+                                past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        self.length = end
+        return TargetOutput(aux_hidden=[out.hidden_states[k].float() for k in self.target.layer_ids],
+                            last_hidden=out.hidden_states[-1].float(), logits=out.logits.float())
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep the batch rows `index` (the prompts still decoding)."""
+        self.cache.batch_select_indices(index)
+        self.pads = self.pads[index]
 
     def keep(self, start: int, rows: list[int]) -> None:
         self.crop(start + len(rows))  # chains only: the accepted rows are a prefix
@@ -40,13 +66,14 @@ class HFSession:
 
 
 class StaticSession:
-    def __init__(self, target: FrozenTarget, max_len: int):
+    def __init__(self, target: FrozenTarget, max_len: int, pads: torch.Tensor | None = None):
         model, c = target.model.model, target.config
-        self.target, self.layers, self.length = target, model.layers, 0
+        self.target, self.layers, self.length, self.pads = target, model.layers, 0, pads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         param = next(model.parameters())
-        self.k = torch.zeros(len(self.layers), 1, kv_heads, max_len, self.head_dim, dtype=param.dtype, device=param.device)
+        batch = 1 if pads is None else len(pads)
+        self.k = torch.zeros(len(self.layers), batch, kv_heads, max_len, self.head_dim, dtype=param.dtype, device=param.device)
         self.v = torch.zeros_like(self.k)
         # cos/sin of every position once, from the model's own rotary module (any RoPE scaling it has).
         cos, sin = model.rotary_emb(self.k, torch.arange(max_len, device=param.device)[None])
@@ -62,7 +89,9 @@ class StaticSession:
         end = start + tokens.shape[1]
         if end > self.k.shape[3]:
             raise ValueError(f"the session's cache holds {self.k.shape[3]} positions; {end} needed")
-        if tree is None:
+        if self.pads is not None:
+            cos, sin, visible = self.padded(start, end, tokens.device)
+        elif tree is None:
             cos, sin = self.cos[:, :, start:end], self.sin[:, :, start:end]
             visible = torch.arange(end, device=tokens.device)[None] <= torch.arange(start, end, device=tokens.device)[:, None]
         else:
@@ -78,6 +107,19 @@ class StaticSession:
         # fp32 features, as FrozenTarget returns them: drafters compute in fp32 whatever the target's dtype.
         return TargetOutput(aux_hidden=[aux[k].float() for k in self.target.layer_ids], last_hidden=last.float(),
                             logits=self.target.model.lm_head(last).float())
+
+    def padded(self, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, m, d] at each row's own positions and the mask [B, 1, m, end] of a left-padded batch."""
+        slots, keys = torch.arange(start, end, device=device), torch.arange(end, device=device)
+        positions = (slots[None] - self.pads[:, None]).clamp(min=0)  # [B, m]
+        cos, sin = self.cos[0, 0][positions][:, None], self.sin[0, 0][positions][:, None]
+        causal = keys[None] <= slots[:, None]  # [m, end]
+        visible = causal & ((keys[None, None] >= self.pads[:, None, None]) | (keys[None] == slots[:, None]))
+        return cos, sin, visible[:, None]
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep the batch rows `index` (the prompts still decoding)."""
+        self.k, self.v, self.pads = self.k[:, index], self.v[:, index], self.pads[index]
 
     def attention(self, i, attn, h, cos, sin, start, end, visible):
         B, m, _ = h.shape
@@ -111,10 +153,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def open_session(target: FrozenTarget, max_len: int):
-    """The static fast path for Llama-family targets without sliding windows; HF otherwise."""
+def open_session(target: FrozenTarget, max_len: int, pads: torch.Tensor | None = None):
+    """The static fast path for Llama-family targets without sliding windows; HF otherwise.
+    `pads` (left padding per row) opens a batch session; None, a single sequence."""
     c = target.config
     windowed = getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True)
     if c.model_type in STATIC_MODEL_TYPES and not windowed:
-        return StaticSession(target, max_len)
-    return HFSession(target)
+        return StaticSession(target, max_len, pads)
+    return HFSession(target, pads)
