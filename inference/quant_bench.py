@@ -5,7 +5,9 @@
 
 Target-only greedy decoding (inference.engine.generate, K=0, batch 1) of the same held-out
 prompts by the target loaded once per scheme (none, int8, int4, fp8; embeddings and lm_head
-kept, the defaults, or quantized too with --all-weights). Schemes are interleaved prompt by prompt within each repeat, so each sees
+kept, the defaults, or quantized too with --all-weights), each on the CPU path
+quant.cpu_matmul=dequantize, and int8 and int4 also on PyTorch's packed operators
+(cpu_matmul=packed; rows "int8/packed", "int4/packed"): the measurement behind the default. Schemes are interleaved prompt by prompt within each repeat, so each sees
 the same machine load; tokens/s is the median over repeats of (tokens emitted) / (decode time
 after the first token). Also per scheme: weight bytes, the CPU operator its linear layers use,
 the quantize-dequantize relative error ||W - W_q||_F / ||W||_F over the quantized layers, and
@@ -94,8 +96,9 @@ def prefix_match(a: list[int], b: list[int]) -> int:
 def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_weights: bool) -> dict:
     options = dict(quantize_embeddings=all_weights, quantize_lm_head=all_weights)
     full = FrozenTarget.load(TargetConfig(name_or_path=target_dir))
-    targets = {scheme: FrozenTarget.load(TargetConfig(name_or_path=target_dir), QuantConfig(scheme=scheme, **options))
-               for scheme in QUANT_SCHEMES}
+    ways = {scheme: QuantConfig(scheme=scheme, **options) for scheme in QUANT_SCHEMES}
+    ways |= {f"{scheme}/packed": QuantConfig(scheme=scheme, cpu_matmul="packed", **options) for scheme in ("int8", "int4")}
+    targets = {name: FrozenTarget.load(TargetConfig(name_or_path=target_dir), quant) for name, quant in ways.items()}
     prompts = [full.tokenizer(text)["input_ids"] for text in heldout_prompts(num_prompts)]
     decoded = interleaved({scheme: (target, None) for scheme, target in targets.items()}, prompts, new_tokens, repeats)
     base = statistics.median(decoded["none"].tokens_per_s)
@@ -130,7 +133,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for scheme, row in result["schemes"].items():
-        print(f"{scheme:5} {row['decode_tokens_per_s']:7.1f} tok/s  x{row['speedup_vs_none']:.2f}  "
+        print(f"{scheme:11} {row['decode_tokens_per_s']:7.1f} tok/s  x{row['speedup_vs_none']:.2f}  "
               f"{row['weight_bytes'] / 2**20:6.2f} MiB  err {row['quant_dequant_rel_error']}  {row['linear_ops']}")
 
 

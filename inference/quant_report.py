@@ -66,6 +66,7 @@ class QuantReportConfig:
     group_size: int = 32  # as speculators.quant.QuantConfig, for every scheme
     quantize_embeddings: bool = False
     quantize_lm_head: bool = False
+    cpu_matmul: str = "dequantize"  # dequantize | packed (PyTorch's int8/int4 CPU operators)
     prompts: str = "heldout"  # heldout: first lines of test-split stdlib files; or a text file, one prompt per line
     num_prompts: int = 8
     prompt_lines: int = 6
@@ -91,7 +92,7 @@ class QuantReportConfig:
         at_least(2, max_new_tokens=self.max_new_tokens)  # decode speed is timed after the first token
 
     def quant(self, scheme: str) -> QuantConfig:
-        return QuantConfig(scheme, self.group_size, self.quantize_embeddings, self.quantize_lm_head)
+        return QuantConfig(scheme, self.group_size, self.quantize_embeddings, self.quantize_lm_head, self.cpu_matmul)
 
     def both_drafter(self, scheme: str) -> str:
         """Who drafts for the quantized target in "both": the drafter trained against it, if given."""

@@ -9,11 +9,15 @@ Activations stay in the target's dtype; only weights are stored in fewer bits:
 - fp8: per output channel, s[n] = max_k |W[n, k]| / 448 (the largest e4m3 value), q = e4m3(W / s).
 
 Forward, one dispatch rule: the Triton kernel (kernels.quant_matmul) where kernels.use_triton
-says so; else on the CPU PyTorch's packed weight-only operators where they exist
-(aten._weight_int8pack_mm; aten._weight_int4pack_mm_for_cpu, which needs N % 16 == 0 and a group
-size of 32..256, and its own weight layout, chosen when the layer is quantized and undone when
-it leaves the CPU); else dequantize and matmul. fp8 always dequantizes (PyTorch has no
-weight-only fp8 CPU operator). The quantized modules expose `weight`, the dequantized fp32
+says so; else, with `cpu_matmul=packed`, PyTorch's packed weight-only CPU operators where they
+exist (aten._weight_int8pack_mm; aten._weight_int4pack_mm_for_cpu, which needs N % 16 == 0 and a
+group size of 32..256, and its own weight layout, chosen when the layer is quantized and undone
+when it leaves the CPU); else dequantize and one dense matmul. The default is `dequantize`: on our
+2-core CPU the packed operators cost about 0.2 ms per row of x for a 688 x 256 layer (10x a dense
+fp32 matmul for one row, 45-90x for a training batch of 2,048 rows), while dequantizing costs
+well under a millisecond per layer whatever the rows (inference/results/quant_bench.json has the
+decode speeds of both). CPUs whose operators are vectorised (AVX-512, AMX) may differ: measure
+with inference.quant_bench. fp8 always dequantizes (PyTorch has no weight-only fp8 CPU operator). The quantized modules expose `weight`, the dequantized fp32
 matrix, for code that copies the target's embeddings or lm_head (drafters' from_target).
 """
 
@@ -28,6 +32,7 @@ from kernels.quant_matmul import dequantize, pack_int4
 from speculators.config import UserError, one_of, require
 
 QUANT_SCHEMES = ("none", "int8", "int4", "fp8")
+CPU_MATMULS = ("dequantize", "packed")
 INT8_OP = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 INT4_PACK_OP = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
 INT4_OP = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
@@ -41,9 +46,11 @@ class QuantConfig:
     group_size: int = 32  # int4: input columns sharing one scale and zero; must divide every quantized width
     quantize_embeddings: bool = False  # also the input embeddings (rows dequantized on lookup)
     quantize_lm_head: bool = False  # also the output projection
+    cpu_matmul: str = "dequantize"  # on the CPU: dequantize + dense matmul, or PyTorch's packed int8/int4 operators
 
     def __post_init__(self):
         one_of("quant.scheme", self.scheme, QUANT_SCHEMES)
+        one_of("quant.cpu_matmul", self.cpu_matmul, CPU_MATMULS)
         require(self.group_size >= 2 and self.group_size % 2 == 0, "quant.group_size", self.group_size,
                 "an even number >= 2 (two int4 values share a byte)")
         for key in ("quantize_embeddings", "quantize_lm_head"):
@@ -74,27 +81,28 @@ class QuantizedLinear(nn.Module):
 
 
 class WeightOnlyInt8Linear(QuantizedLinear):
-    def __init__(self, weight, bias):
+    def __init__(self, weight, bias, cpu_pack: bool = False):
         super().__init__(weight, bias)
+        self.cpu_packed = cpu_pack and INT8_OP is not None  # the same int8 layout serves both paths
         w = weight.detach().float()
         scales = w.abs().amax(1).clamp(min=1e-12) / 127
         self.register_buffer("qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scales)
 
     def matmul(self, x):
-        if INT8_OP is None or kernels.use_triton(x):
-            return kernels.quant_matmul(x, self.qweight, self.scales)
-        return INT8_OP(x, self.qweight, self.scales.to(x.dtype))
+        if self.cpu_packed and not kernels.use_triton(x):
+            return INT8_OP(x, self.qweight, self.scales.to(x.dtype))
+        return kernels.quant_matmul(x, self.qweight, self.scales)
 
     def rows(self, ids):
         return dequantize(self.qweight[ids], self.scales[ids])
 
     def cpu_op(self) -> str:
-        return "aten._weight_int8pack_mm" if INT8_OP else "dequantize + matmul"
+        return "aten._weight_int8pack_mm" if self.cpu_packed else "dequantize + matmul"
 
 
 class WeightOnlyInt4Linear(QuantizedLinear):
-    def __init__(self, weight, bias, group_size: int, cpu_pack: bool = True):
+    def __init__(self, weight, bias, group_size: int, cpu_pack: bool = False):
         super().__init__(weight, bias)
         N, K = weight.shape
         w = weight.detach().float().view(N, K // group_size, group_size)
@@ -190,8 +198,8 @@ class Int8Handler:
     def check(self, name: str, width: int) -> None:
         pass  # per channel: any width
 
-    def convert(self, weight, bias, cpu_pack: bool = True) -> QuantizedLinear:
-        return WeightOnlyInt8Linear(weight, bias)
+    def convert(self, weight, bias, cpu_pack: bool) -> QuantizedLinear:
+        return WeightOnlyInt8Linear(weight, bias, cpu_pack)
 
 
 class Int4Handler(Int8Handler):
@@ -200,12 +208,12 @@ class Int4Handler(Int8Handler):
             raise UserError(f"quant.group_size={self.cfg.group_size} does not divide the input width {width} of "
                             f"{name}; choose a divisor of it")
 
-    def convert(self, weight, bias, cpu_pack=True):
+    def convert(self, weight, bias, cpu_pack):
         return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_pack)
 
 
 class Fp8Handler(Int8Handler):
-    def convert(self, weight, bias, cpu_pack=True):
+    def convert(self, weight, bias, cpu_pack):
         return WeightOnlyFp8Linear(weight, bias)
 
 
@@ -229,7 +237,7 @@ def quantize(model: nn.Module, cfg: QuantConfig) -> nn.Module:
         if isinstance(module, nn.Embedding):
             new = QuantizedEmbedding(handler.convert(module.weight, None, cpu_pack=False), module.weight.dtype)
         else:
-            new = handler.convert(module.weight, module.bias)
+            new = handler.convert(module.weight, module.bias, cpu_pack=cfg.cpu_matmul == "packed")
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
     return model

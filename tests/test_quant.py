@@ -77,37 +77,40 @@ def reference(module: QuantizedLinear, x: torch.Tensor, layer: nn.Linear) -> tor
     return quant_matmul_reference(x, qweight, scales, zeros, group) + layer.bias
 
 
-def make(scheme: str, layer: nn.Linear, group: int) -> QuantizedLinear:
+def make(scheme: str, layer: nn.Linear, group: int, cpu_pack: bool = False) -> QuantizedLinear:
     if scheme == "int8":
-        return WeightOnlyInt8Linear(layer.weight, layer.bias)
+        return WeightOnlyInt8Linear(layer.weight, layer.bias, cpu_pack)
     if scheme == "int4":
-        return WeightOnlyInt4Linear(layer.weight, layer.bias, group)
+        return WeightOnlyInt4Linear(layer.weight, layer.bias, group, cpu_pack)
     return WeightOnlyFp8Linear(layer.weight, layer.bias)
 
 
 # --- 1. the Linear replacements ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("cpu_pack", [False, True], ids=["dequantize", "packed"])
 @pytest.mark.parametrize("N, K, group", SHAPES)
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_quantized_linear_matches_reference(scheme, N, K, group):
+def test_quantized_linear_matches_reference(scheme, N, K, group, cpu_pack):
     layer = linear(N, K)
-    module = make(scheme, layer, group)
+    module = make(scheme, layer, group, cpu_pack)
     x = torch.randn(2, 5, K, generator=torch.Generator().manual_seed(1))
     y = module(x)
     assert y.shape == (2, 5, N)
     torch.testing.assert_close(y, reference(module, x, layer), **TOL)
     torch.testing.assert_close(module(x[:1, :1]), y[:1, :1], **TOL)  # one decode row, as in generation
     if scheme == "int4":
-        assert module.cpu_packed == (N % 16 == 0 and group in (32, 64, 128, 256))
+        assert module.cpu_packed == (cpu_pack and not kernels.INTERPRET and N % 16 == 0 and group in (32, 64, 128, 256))
+    if scheme == "int8":
+        assert module.cpu_packed == cpu_pack
 
 
 def test_int4_leaves_the_cpu_operators_layout_exactly():
     """model.to(<GPU>) unpacks the CPU operator's layout into kernels.quant_matmul's, bit for bit
     (here: unpack() on the CPU, and a move to the meta device)."""
     layer = linear(48, 64)
-    packed = WeightOnlyInt4Linear(layer.weight, layer.bias, 32)
-    generic = WeightOnlyInt4Linear(layer.weight, layer.bias, 32, cpu_pack=False)
+    packed = WeightOnlyInt4Linear(layer.weight, layer.bias, 32, cpu_pack=True)
+    generic = WeightOnlyInt4Linear(layer.weight, layer.bias, 32)
     assert packed.cpu_packed
     x = torch.randn(3, 64)
     y = packed(x)
@@ -116,14 +119,14 @@ def test_int4_leaves_the_cpu_operators_layout_exactly():
     for name in ("qweight", "scales", "zeros"):
         assert torch.equal(getattr(packed, name), getattr(generic, name)), name
     torch.testing.assert_close(packed(x), y, **TOL)
-    moved = WeightOnlyInt4Linear(layer.weight, layer.bias, 32).to("meta")
+    moved = WeightOnlyInt4Linear(layer.weight, layer.bias, 32, cpu_pack=True).to("meta")
     assert not moved.cpu_packed and moved.qweight.shape == (48, 32) and moved.qweight.device.type == "meta"
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_weight_and_embedding_rows_are_the_dequantized_weight(scheme):
     layer = linear(32, 64, bias=False)
-    module = make(scheme, layer, 32)
+    module = make(scheme, layer, 32, cpu_pack=True)
     generic = WeightOnlyInt4Linear(layer.weight, None, 32, cpu_pack=False) if scheme == "int4" else module
     qweight, scales, zeros, group = stored(generic)
     w = dequantize(qweight, scales, zeros, group)
@@ -167,7 +170,8 @@ def load(llama_dir, **quant) -> FrozenTarget:
     return FrozenTarget.load(TargetConfig(name_or_path=str(llama_dir), layer_ids=LAYER_IDS), QuantConfig(**quant))
 
 
-QUANTS = [dict(scheme="int8"), dict(scheme="int4"), dict(scheme="fp8"),
+QUANTS = [dict(scheme="int8"), dict(scheme="int4"), dict(scheme="fp8"), dict(scheme="int8", cpu_matmul="packed"),
+          dict(scheme="int4", cpu_matmul="packed"),
           dict(scheme="int4", group_size=16, quantize_embeddings=True, quantize_lm_head=True)]
 
 
@@ -230,6 +234,7 @@ def test_quant_yaml_mirrors_the_config(scheme):
     (dict(scheme="int4", group_size=0), r"quant.group_size=0 is not valid: must be an even number >= 2"),
     (dict(scheme="int4", group_size=33), r"quant.group_size=33 is not valid"),
     (dict(quantize_lm_head="yes"), r"quant.quantize_lm_head='yes' is not valid: must be true or false"),
+    (dict(cpu_matmul="fast"), r"quant.cpu_matmul='fast' is not valid; choose one of: dequantize, packed"),
 ])
 def test_bad_config_is_a_one_line_error_naming_the_key(fields, message):
     with pytest.raises(UserError, match=message):
