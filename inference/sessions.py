@@ -34,7 +34,7 @@ class HFSession:
                  depths: torch.Tensor | None = None) -> TargetOutput:
         if tree is not None:
             raise UserError(f"tree drafts need a Llama-family target ({', '.join(sorted(STATIC_MODEL_TYPES))}) "
-                            f"without a sliding window; use drafting.mode=chain")
+                            f"without a sliding window, on one device (no target.device_map); use drafting.mode=chain")
         if self.pads is not None:
             return self.padded(tokens)
         self.length += tokens.shape[1]
@@ -48,8 +48,10 @@ class HFSession:
         out = self.target.model(input_ids=tokens, attention_mask=mask.long(), position_ids=positions,
                                 past_key_values=self.cache, use_cache=True, output_hidden_states=True)
         self.length = end
-        return TargetOutput(aux_hidden=[out.hidden_states[k].float() for k in self.target.layer_ids],
-                            last_hidden=out.hidden_states[-1].float(), logits=out.logits.float())
+        device = tokens.device
+        return TargetOutput(aux_hidden=[out.hidden_states[k].to(device, torch.float32) for k in self.target.layer_ids],
+                            last_hidden=out.hidden_states[-1].to(device, torch.float32),
+                            logits=out.logits.to(device, torch.float32))
 
     def select(self, index: torch.Tensor) -> None:
         """Keep the batch rows `index` (the prompts still decoding)."""
@@ -154,10 +156,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def open_session(target: FrozenTarget, max_len: int, pads: torch.Tensor | None = None):
-    """The static fast path for Llama-family targets without sliding windows; HF otherwise.
-    `pads` (left padding per row) opens a batch session; None, a single sequence."""
+    """The static fast path for Llama-family targets without sliding windows, on one device; HF
+    otherwise (its forward runs accelerate's hooks for a placed target). `pads` (left padding
+    per row) opens a batch session; None, a single sequence."""
     c = target.config
     windowed = getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True)
-    if c.model_type in STATIC_MODEL_TYPES and not windowed:
+    if c.model_type in STATIC_MODEL_TYPES and not windowed and not target.placed:
         return StaticSession(target, max_len, pads)
     return HFSession(target, pads)

@@ -111,8 +111,8 @@ class EagleDrafter(nn.Module):
         is not used: EAGLE-1 drafts over the whole target vocabulary."""
         drafter = cls(cfg, layer_config(target))
         with torch.no_grad():
-            drafter.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
-            drafter.lm_head.weight.copy_(target.model.get_output_embeddings().weight.float())
+            drafter.embed_tokens.weight.copy_(target.embedding_weight().float())
+            drafter.lm_head.weight.copy_(target.lm_head_weight().float())
         return drafter
 
     @property

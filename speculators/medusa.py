@@ -126,7 +126,7 @@ class MedusaDrafter(nn.Module):
         drafter = cls(cfg, target.hidden_size, target.vocab_size)
         with torch.no_grad():
             for head in drafter.heads:
-                head[-1].weight.copy_(target.model.get_output_embeddings().weight.float())
+                head[-1].weight.copy_(target.lm_head_weight().float())
         return drafter
 
     @property

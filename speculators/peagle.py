@@ -162,9 +162,9 @@ class PEagleDrafter(nn.Module):
         drafter = cls(cfg, layer_cfg, target.layer_ids, target.hidden_size)
         drafter.d2t, drafter.t2d = draft_vocab.build(token_counts, cfg.draft_vocab_size)
         with torch.no_grad():
-            drafter.embed_tokens.weight.copy_(target.embed_tokens.weight.float())
+            drafter.embed_tokens.weight.copy_(target.embedding_weight().float())
             drafter.mask_embedding.copy_(drafter.embed_tokens.weight[cfg.mask_token_id])
-            drafter.lm_head.weight.copy_(target.model.get_output_embeddings().weight[drafter.draft_to_target].float())
+            drafter.lm_head.weight.copy_(target.lm_head_weight()[drafter.draft_to_target].float())
         return drafter
 
     @classmethod

@@ -4,6 +4,11 @@ HF `hidden_states[k]` is the residual stream after k decoder layers (0 = embeddi
 `hidden_states[L]` is after the final norm, the input of lm_head. Layer ids everywhere in
 this project (configs, exports) use that same k.
 
+A target larger than one device loads through accelerate's big-model support: with
+`device_map` (e.g. "auto") its layers are spread over the GPUs, then CPU RAM, then disk
+(`offload_folder`), each device capped by `max_memory`; accelerate's hooks move activations
+from layer to layer, and the outputs come back to the device of the input ids.
+
 A target loaded with `layers=False` has its embeddings, final norm and lm_head but no decoder
 layers: training from a hidden-state cache (train/hidden_cache.py) needs no more than that.
 """
@@ -13,10 +18,11 @@ import json
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils.modeling import align_module_device
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from speculators.config import UserError, one_of
+from speculators.config import UserError, one_of, require
 from speculators.quant import QuantConfig, quantize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,9 +34,24 @@ class TargetConfig:
     layer_ids: list[int] | None = None  # EAGLE-3 feature layers; None: [2, L//2, L-3]
     dtype: str = "float32"  # float32 on CPUs, where bf16 arithmetic is ~30x slower
     trust_remote_code: bool = False
+    device_map: str | None = None  # accelerate's big-model loading: "auto", "balanced", "sequential"; None: one device
+    max_memory: dict | None = None  # device -> cap with device_map, e.g. {0: 20GiB, cpu: 60GiB}; beyond it, offload_folder
+    offload_folder: str | None = None  # disk for the layers that fit nowhere else (device_map only)
 
     def __post_init__(self):
         one_of("target.dtype", self.dtype, DTYPES)
+        one_of("target.device_map", self.device_map, (None, "auto", "balanced", "balanced_low_0", "sequential"))
+        for key in ("max_memory", "offload_folder"):
+            require(getattr(self, key) is None or self.device_map is not None, f"target.{key}", getattr(self, key),
+                    "null unless target.device_map is set (it places the layers)")
+
+    def big_model_options(self) -> dict:
+        """from_pretrained's keyword arguments for accelerate's placement, if asked for."""
+        if self.device_map is None:
+            return {}
+        memory = None if self.max_memory is None else {int(k) if str(k).isdigit() else k: v
+                                                       for k, v in self.max_memory.items()}
+        return {"device_map": self.device_map, "max_memory": memory, "offload_folder": self.offload_folder}
 
 
 @dataclass
@@ -74,6 +95,9 @@ class FrozenTarget:
     @classmethod
     def load(cls, cfg: TargetConfig, quant: QuantConfig = QuantConfig(), layers: bool = True) -> "FrozenTarget":
         """`layers=False`: build the model with zero decoder layers, so their weights are never read."""
+        if cfg.device_map is not None and quant.scheme != "none":
+            raise UserError(f"quant.scheme={quant.scheme} with target.device_map={cfg.device_map}: quantization "
+                            f"replaces layers that accelerate has placed; use one or the other")
         try:
             tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
             config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
@@ -83,7 +107,8 @@ class FrozenTarget:
             hf_logging.set_verbosity_error()  # without layers, transformers reports every layer weight as unexpected
             try:
                 model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=config, dtype=DTYPES[cfg.dtype],
-                                                             trust_remote_code=cfg.trust_remote_code)
+                                                             trust_remote_code=cfg.trust_remote_code,
+                                                             **cfg.big_model_options())
             finally:
                 hf_logging.set_verbosity(verbosity)
         except (OSError, ValueError) as e:
@@ -91,13 +116,35 @@ class FrozenTarget:
         model.config.num_hidden_layers = num_layers  # what the drafter and the exports describe is the whole target
         return cls(quantize(model, quant), tokenizer, cfg.name_or_path, cfg.layer_ids, layers)
 
+    @property
+    def placed(self) -> bool:
+        """Placed by accelerate (target.device_map): its layers stay where they are."""
+        return getattr(self.model, "hf_device_map", None) is not None
+
+    @property
+    def device(self) -> torch.device:
+        """Where input ids go: the embeddings' device; a placed target's hooks move them from the CPU."""
+        return torch.device("cpu") if self.placed else self.embed_tokens.weight.device
+
     def to(self, device) -> "FrozenTarget":
-        self.model.to(device)
+        if not self.placed:
+            self.model.to(device)
         return self
 
     @property
     def embed_tokens(self) -> torch.nn.Embedding:
         return self.model.get_input_embeddings()
+
+    def embedding_weight(self) -> torch.Tensor:
+        """The input embeddings [V, H], wherever accelerate keeps them: drafters start from copies."""
+        with align_module_device(self.embed_tokens):
+            return self.embed_tokens.weight.detach().clone()
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """lm_head's weight [V, H], wherever accelerate keeps it."""
+        head = self.model.get_output_embeddings()
+        with align_module_device(head):
+            return head.weight.detach().clone()
 
     def fingerprint(self) -> str:
         """A hash of the config, the weight dtype and 256 rows each of the embeddings and lm_head:
@@ -107,7 +154,9 @@ class FrozenTarget:
         digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
         digest.update(str(self.model.dtype).encode())
         for module in (self.embed_tokens, self.model.get_output_embeddings()):
-            for name, tensor in sorted(module.state_dict().items()):
+            with align_module_device(module):  # weights offloaded by accelerate (target.device_map), read back
+                state = module.state_dict()
+            for name, tensor in sorted(state.items()):
                 rows = tensor[:: max(1, len(tensor) // 256)] if tensor.dim() > 1 else tensor.reshape(1, -1)
                 digest.update(name.encode() + rows.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()[:16]
@@ -127,5 +176,7 @@ class FrozenTarget:
             raise RuntimeError("this target was loaded without its decoder layers (layers=False)")
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
                          use_cache=cache is not None, output_hidden_states=True)
-        return TargetOutput(aux_hidden=[out.hidden_states[k].float() for k in self.layer_ids],
-                            last_hidden=out.hidden_states[-1].float(), logits=out.logits.float())
+        device = input_ids.device  # a placed target's outputs come from the devices of its last layers
+        return TargetOutput(aux_hidden=[out.hidden_states[k].to(device, torch.float32) for k in self.layer_ids],
+                            last_hidden=out.hidden_states[-1].to(device, torch.float32),
+                            logits=out.logits.to(device, torch.float32))

@@ -119,3 +119,55 @@ def test_drafter_module_holds_no_target_weights(llama_target, make_drafter):
     trainable = {id(p) for p in drafter.parameters() if p.requires_grad}
     assert {id(p) for p in in_optimizer} == trainable
     assert id(drafter.embed_tokens.weight) not in trainable  # the frozen copy of the target's embeddings
+
+
+# --- targets larger than one device: accelerate's placement (target.device_map) ----------------------
+
+
+def test_a_target_placed_by_accelerate_with_disk_offload_serves_and_trains_as_the_loaded_one(
+        llama_dir, llama_target, make_drafter, text_batch, tmp_path):
+    """max_memory of half the weights on the only device (the CPU) sends the rest to disk: the
+    features, the logits, the drafter's starting weights, the cache fingerprint and greedy decoding
+    (through transformers and accelerate's hooks, not the static session) are those of the target
+    loaded whole."""
+    from inference.engine import generate
+    from inference.sessions import HFSession, open_session
+
+    weights = sum(p.numel() * p.element_size() for p in llama_target.model.parameters())
+    placed = FrozenTarget.load(TargetConfig(name_or_path=str(llama_dir), layer_ids=LAYER_IDS, device_map="auto",
+                                            max_memory={"cpu": weights // 2}, offload_folder=str(tmp_path / "off")))
+    assert placed.placed and "disk" in placed.model.hf_device_map.values()
+    assert placed.model.get_output_embeddings().weight.device.type == "meta"  # offloaded: only accelerate has it
+    ids = text_batch[:2, :24]
+    whole, split = llama_target(ids), placed(ids)
+    for a, b in zip([*whole.aux_hidden, whole.last_hidden, whole.logits], [*split.aux_hidden, split.last_hidden,
+                                                                            split.logits]):
+        torch.testing.assert_close(b, a)
+    torch.testing.assert_close(placed.lm_head_weight(), llama_target.lm_head_weight())
+    torch.testing.assert_close(placed.embedding_weight(), llama_target.embedding_weight())
+    assert placed.fingerprint() == llama_target.fingerprint() and placed.device.type == "cpu"
+    assert isinstance(open_session(placed, 64), HFSession)
+    torch.manual_seed(0)
+    drafter = make_drafter(placed)
+    prompt = text_batch[0, :12].tolist()
+    assert generate(placed, drafter, prompt, 16, k=3).tokens == generate(llama_target, None, prompt, 16, k=0).tokens
+
+
+def test_placement_keys_are_checked(llama_dir):
+    from speculators.quant import QuantConfig
+
+    with pytest.raises(UserError, match=r"target.device_map='everywhere' is not valid; choose one of: None, auto"):
+        TargetConfig(name_or_path="x", device_map="everywhere")
+    with pytest.raises(UserError, match=r"target.offload_folder='/tmp/x' is not valid: must be null unless "
+                                        r"target.device_map is set"):
+        TargetConfig(name_or_path="x", offload_folder="/tmp/x")
+    with pytest.raises(UserError, match=r"quant.scheme=int8 with target.device_map=auto: .* use one or the other"):
+        FrozenTarget.load(TargetConfig(name_or_path=str(llama_dir), device_map="auto"), QuantConfig(scheme="int8"))
+
+
+def test_the_example_offload_config_composes():
+    from test_config import composed, typed
+
+    recipe, _ = typed(composed(["conf=eagle3", "target=llama3_70b_offload"]))
+    assert recipe.target.big_model_options() == {"device_map": "auto", "max_memory": {0: "70GiB", "cpu": "120GiB"},
+                                                 "offload_folder": "/tmp/offload-llama3-70b"}

@@ -91,7 +91,7 @@ def build(recipe, device: str = "cpu") -> Path:
 
 def write_split(target: FrozenTarget, rows: torch.Tensor, cfg, folder: Path, split: str, bar) -> list[dict]:
     """Shards of about SHARD_BYTES holding the split's rows in order."""
-    device = target.embed_tokens.weight.device
+    device = target.device
     row_bytes = (len(target.layer_ids) + 1) * cfg.seq_len * target.hidden_size * STORED[cfg.cache_dtype].itemsize
     per_shard, shards = max(1, SHARD_BYTES // row_bytes), []
     for start in range(0, len(rows), per_shard):

@@ -102,7 +102,7 @@ def generate(target: FrozenTarget, prompts: list[str], cfg: RegenerateConfig) ->
     sampling = dict(temperature=cfg.temperature, top_k=0, top_p=1.0) if cfg.temperature else {}
     config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=bool(cfg.temperature), eos_token_id=eos,
                               pad_token_id=tokenizer.pad_token_id, **sampling)
-    new = target.model.generate(**batch.to(target.embed_tokens.weight.device), generation_config=config)
+    new = target.model.generate(**batch.to(target.device), generation_config=config)
     new = new[:, batch["input_ids"].shape[1] :].cpu()
     ended = torch.isin(new, torch.tensor(eos if isinstance(eos, list) else [eos])).any(-1)
     return tokenizer.batch_decode(new, skip_special_tokens=True), int((~ended).sum())
