@@ -7,7 +7,9 @@ same held-out prompts greedily with K = num_speculative_tokens, interleaved with
 decoding prompt by prompt, for `repeats` rounds; tokens/s is the median over rounds. Per row:
 tau and the acceptance rate per position (vLLM's definitions), tokens/s, speed-up, where the
 time goes, whether outputs equal target-only greedy, and the drafter's training budget from
-its training.json (steps, tokens seen). Writes <out>/compare.json, compare.md, compare.png.
+its training.json (steps, tokens seen). Two figures say how far a difference in tau is real:
+its standard error, and the drafter's vocabulary coverage (the share of target-only output
+tokens its draft vocabulary holds: no position's acceptance rate can exceed it). Writes <out>/compare.json, compare.md, compare.png.
 """
 
 import json
@@ -95,6 +97,25 @@ def run(target, rows: list[Method], prompts: list[list[int]], cfg: CompareConfig
                     row.stats.add(out.stats)
 
 
+def tau_standard_error(accepted_at: list[int], drafts: int) -> float:
+    """Standard error of tau = 1 + mean accepted per draft. A draft's accepted tokens are a
+    prefix, so accepted_at[i-1] / drafts = P(a >= i), and E[a^2] = sum_i (2i - 1) P(a >= i).
+    Drafts of one prompt are not independent, so this understates the error somewhat."""
+    if drafts < 2:
+        return float("nan")
+    at_least_i = [a / drafts for a in accepted_at]
+    mean = sum(at_least_i)
+    square = sum((2 * i + 1) * p for i, p in enumerate(at_least_i))
+    return ((square - mean**2) / (drafts - 1)) ** 0.5
+
+
+def vocabulary_coverage(drafter, outputs: list[list[int]]) -> float:
+    """Share of the target-only output tokens that are in the drafter's vocabulary."""
+    kept = set(drafter.draft_to_target.tolist())
+    tokens = [t for out in outputs for t in out]
+    return sum(t in kept for t in tokens) / max(len(tokens), 1)
+
+
 def summary(rows: list[Method]) -> list[dict]:
     base = statistics.median(t / s for t, s in zip(rows[0].tokens, rows[0].seconds))
     table = []
@@ -105,7 +126,11 @@ def summary(rows: list[Method]) -> list[dict]:
             "method": row.name,
             "drafting": row.drafting.mode if row.drafter is not None else None,
             "acceptance_length": 1 + row.stats.num_accepted_tokens / drafts if row.drafter is not None else None,
+            "acceptance_length_stderr": tau_standard_error(row.stats.accepted_at, row.stats.num_drafts)
+            if row.drafter is not None else None,
             "acceptance_rate_per_position": [a / drafts for a in row.stats.accepted_at],
+            "draft_vocabulary_coverage": vocabulary_coverage(row.drafter, rows[0].outputs)
+            if row.drafter is not None else None,
             "num_drafts": row.stats.num_drafts,
             "num_draft_tokens": row.stats.num_draft_tokens,
             "num_accepted_tokens": row.stats.num_accepted_tokens,
@@ -120,13 +145,15 @@ def summary(rows: list[Method]) -> list[dict]:
 
 
 def markdown(table: list[dict]) -> str:
-    lines = ["| drafter | tau | acceptance per position | tokens/s | speed-up | matches | steps | tokens seen |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| drafter | tau (± s.e.) | acceptance per position | vocab coverage | tokens/s | speed-up | matches "
+             "| steps | tokens seen |", "|---|---|---|---|---|---|---|---|---|"]
     for r in table:
-        tau = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
+        tau = "-" if r["acceptance_length"] is None else \
+            f"{r['acceptance_length']:.2f} ± {r['acceptance_length_stderr']:.2f}"
+        coverage = "-" if r["draft_vocabulary_coverage"] is None else f"{r['draft_vocabulary_coverage']:.3f}"
         curve = " ".join(f"{a:.2f}" for a in r["acceptance_rate_per_position"]) or "-"
         training = r["training"] or {}
-        lines.append(f"| {r['method']} | {tau} | {curve} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
+        lines.append(f"| {r['method']} | {tau} | {curve} | {coverage} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
                      f"{'yes' if r['outputs_match_target_only'] else 'NO'} | {training.get('steps', '-')} | "
                      f"{training.get('tokens_seen', '-')} |")
     return "\n".join(lines)

@@ -42,6 +42,8 @@ def test_rows_per_drafter_and_mode_with_measure_s_figures(llama_target, exports,
     assert table[0]["speedup"] == 1.0 and table[0]["acceptance_length"] is None
     for r in table[1:]:
         assert len(r["acceptance_rate_per_position"]) == 3 and r["tokens_per_second"] > 0
+        assert 0 <= r["acceptance_length_stderr"] < 1 and 0 < r["draft_vocabulary_coverage"] <= 1
+        assert max(r["acceptance_rate_per_position"]) <= 1
     # The chain rows are the figures `python -m inference` reports for the same drafter and prompts.
     texts = [tokenizer.decode(p) for p in prompts]
     for (path, drafter, _), row in zip(drafters, (table[1], table[3])):
@@ -56,6 +58,26 @@ def test_rows_per_drafter_and_mode_with_measure_s_figures(llama_target, exports,
     assert markdown.count("\n") == 2 + len(table) and "eagle3-seed1 (tree)" in markdown
     assert (tmp_path / "compare.png").stat().st_size > 0
     assert json.loads(result_path.read_text())["rows"] == table
+
+
+def test_tau_standard_error_from_the_acceptance_counts():
+    """Accepted counts [0, 1, 1, 3] (k = 3): accepted_at = drafts with >= i accepted = [3, 1, 1];
+    the sample standard error of the counts is what the counts alone give."""
+    import statistics
+
+    counts = [0, 1, 1, 3]
+    accepted_at = [sum(c >= i for c in counts) for i in (1, 2, 3)]
+    expected = statistics.stdev(counts) / len(counts) ** 0.5
+    assert compare.tau_standard_error(accepted_at, len(counts)) == pytest.approx(expected)
+
+
+def test_vocabulary_coverage_counts_target_tokens_the_drafter_can_propose():
+    from types import SimpleNamespace
+
+    import torch
+
+    drafter = SimpleNamespace(draft_to_target=torch.tensor([1, 4, 7]))
+    assert compare.vocabulary_coverage(drafter, [[1, 2, 4], [7, 7, 9, 0, 1]]) == pytest.approx(5 / 8)
 
 
 @pytest.mark.parametrize("bad, message", [({"drafters": []}, "at least one"),
