@@ -7,7 +7,10 @@ Target-only greedy decoding (inference.engine.generate, K=0, batch 1) of the sam
 prompts by the target loaded once per scheme (none, int8, int4, fp8; embeddings and lm_head
 kept, the defaults, or quantized too with --all-weights), each on the CPU path
 quant.cpu_matmul=dequantize, and int8 and int4 also on PyTorch's packed operators
-(cpu_matmul=packed; rows "int8/packed", "int4/packed"): the measurement behind the default. Schemes are interleaved prompt by prompt within each repeat, so each sees
+(cpu_matmul=packed; rows "int8/packed", "int4/packed"): the measurement behind the default.
+Beside decoding (one row per linear call), whole forward passes at the other sizes the target
+runs: a verification pass (1 x 6 tokens: K=5 drafts and the root) and a training batch
+(8 x 256 tokens), median milliseconds over `repeats`, interleaved the same way. Schemes are interleaved prompt by prompt within each repeat, so each sees
 the same machine load; tokens/s is the median over repeats of (tokens emitted) / (decode time
 after the first token). Also per scheme: weight bytes, the CPU operator its linear layers use,
 the quantize-dequantize relative error ||W - W_q||_F / ||W||_F over the quantized layers, and
@@ -19,6 +22,7 @@ The pieces here (interleaved decoding, the error, the operators) also serve infe
 import argparse
 import json
 import statistics
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +97,22 @@ def prefix_match(a: list[int], b: list[int]) -> int:
     return n
 
 
+FORWARD_SHAPES = {"verify_1x6": (1, 6), "train_8x256": (8, 256)}
+
+
+def forward_ms(targets: dict, repeats: int) -> dict[str, dict[str, float]]:
+    """name -> shape -> median ms of one target forward pass over random ids of that shape."""
+    times = {name: {shape: [] for shape in FORWARD_SHAPES} for name in targets}
+    for _ in range(repeats):
+        for shape, size in FORWARD_SHAPES.items():
+            ids = torch.randint(0, next(iter(targets.values())).vocab_size, size)
+            for name, target in targets.items():
+                started = time.perf_counter()
+                target(ids)
+                times[name][shape].append(1e3 * (time.perf_counter() - started))
+    return {name: {shape: statistics.median(ms) for shape, ms in row.items()} for name, row in times.items()}
+
+
 def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_weights: bool) -> dict:
     options = dict(quantize_embeddings=all_weights, quantize_lm_head=all_weights)
     full = FrozenTarget.load(TargetConfig(name_or_path=target_dir))
@@ -101,6 +121,7 @@ def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_we
     targets = {name: FrozenTarget.load(TargetConfig(name_or_path=target_dir), quant) for name, quant in ways.items()}
     prompts = [full.tokenizer(text)["input_ids"] for text in heldout_prompts(num_prompts)]
     decoded = interleaved({scheme: (target, None) for scheme, target in targets.items()}, prompts, new_tokens, repeats)
+    forwards = forward_ms(targets, repeats)
     base = statistics.median(decoded["none"].tokens_per_s)
     rows = {}
     for scheme, target in targets.items():
@@ -111,6 +132,7 @@ def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_we
             "tokens_per_s_repeats": speeds,
             "weight_bytes": weight_bytes(target.model),
             "linear_ops": linear_ops(target.model),
+            "forward_ms": forwards[scheme],
             "quant_dequant_rel_error": quant_error(full.model, target.model),
             "mean_prefix_equal_to_none": statistics.mean(
                 prefix_match(a, b) for a, b in zip(decoded[scheme].outputs, decoded["none"].outputs)),
@@ -134,7 +156,7 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for scheme, row in result["schemes"].items():
         print(f"{scheme:11} {row['decode_tokens_per_s']:7.1f} tok/s  x{row['speedup_vs_none']:.2f}  "
-              f"{row['weight_bytes'] / 2**20:6.2f} MiB  err {row['quant_dequant_rel_error']}  {row['linear_ops']}")
+              f"{row['weight_bytes'] / 2**20:6.2f} MiB  forward ms {row['forward_ms']}  err {row['quant_dequant_rel_error']}  {row['linear_ops']}")
 
 
 if __name__ == "__main__":
