@@ -1,6 +1,7 @@
 """`python train.py`: one real end-to-end run on a tiny target, and the one-line errors of bad command lines."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -29,9 +30,10 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
         f"target.name_or_path={llama_dir}", f"target.layer_ids={layer_ids}", f"drafter.draft_vocab_size={DRAFT}",
         "drafter.ttt_steps=3", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
         "trainer.val_every_n_steps=3", "trainer.checkpoint_every_n_steps=3", "trainer.num_threads=1",
-        "trainer.progress_bar=false",
+        "trainer.progress_bar=false", "trainer.log_every_n_steps=2",
     ], cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^step 2/3  loss \d+\.\d{4}  \d+\.\d\d s/step  \d+ min left$", result.stdout, re.M)  # no bar: lines
 
     export_dir = run_dir / "export"
     assert f"export: {export_dir}" in result.stdout

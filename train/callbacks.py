@@ -7,11 +7,15 @@ logged under serve/. Teacher-forced accuracy (val/acc_step*) tends to flatter a 
 CheckpointOnSignal: SIGTERM (pre-emption) or a first Ctrl-C ends training at the next batch
 boundary and writes checkpoints/last.ckpt, so `resume=<run dir>` loses nothing.
 
+ProgressLines: with trainer.progress_bar=false (logs of batch jobs, where a bar's carriage
+returns pile up), one line every log_every_n_steps: step, loss, seconds per step, time left.
+
 TrainingRandomState: the random streams training steps draw from travel in the checkpoint, so
 a resumed run draws the same noise and dropout masks as an uninterrupted one.
 """
 
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,3 +111,21 @@ def set_random_state(state: dict) -> None:
     np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class ProgressLines(L.Callback):
+    def __init__(self, every_n_steps: int):
+        self.every_n_steps, self.since = every_n_steps, None
+
+    def on_train_start(self, trainer, module) -> None:
+        self.since = (time.perf_counter(), trainer.global_step)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step % self.every_n_steps or not trainer.is_global_zero or step == self.since[1]:
+            return
+        per_step = (time.perf_counter() - self.since[0]) / (step - self.since[1])
+        left = per_step * (trainer.max_steps - step)
+        loss = float(outputs["loss"]) if isinstance(outputs, dict) else float("nan")
+        print(f"step {step}/{trainer.max_steps}  loss {loss:.4f}  {per_step:.2f} s/step  {left / 60:.0f} min left",
+              flush=True)

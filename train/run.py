@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from speculators.config import UserError, at_least, one_of, require, to_dataclass
 from speculators.quant import QuantConfig
 from speculators.target import TargetConfig
-from train.callbacks import CheckpointOnSignal, ServeEvalConfig, TrainingRandomState
+from train.callbacks import CheckpointOnSignal, ProgressLines, ServeEvalConfig, TrainingRandomState
 from train.data import DataConfig
 from train.optim import OptimConfig
 from train.pretrain import ModelConfig
@@ -49,7 +49,7 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     val_every_n_steps: int = 100
     checkpoint_every_n_steps: int = 100
-    progress_bar: bool = True
+    progress_bar: bool = True  # false: a line every log_every_n_steps instead (step, loss, s/step, time left)
 
     def __post_init__(self):
         one_of("trainer.accelerator", self.accelerator, ACCELERATORS)
@@ -204,6 +204,8 @@ def make_trainer(cfg: TrainerConfig, logger, run_dir: Path, extra_callbacks=(), 
     callbacks = [*checkpoints, CheckpointOnSignal(), TrainingRandomState(), *extra_callbacks]
     if logger:
         callbacks.append(LearningRateMonitor("step"))
+    if not cfg.progress_bar:
+        callbacks.append(ProgressLines(cfg.log_every_n_steps))
     try:
         return L.Trainer(
             max_steps=cfg.max_steps, accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
