@@ -134,6 +134,8 @@ def exit_on_user_error(task: Callable) -> Callable:
     @functools.wraps(task)
     def wrapped(*args, **kwargs):
         try:
+            if args and isinstance(args[0], DictConfig):
+                check_resolvable(args[0])
             return task(*args, **kwargs)
         except UserError as e:
             if os.environ.get("SPECULATORS_TRACEBACK") == "1":
@@ -141,6 +143,14 @@ def exit_on_user_error(task: Callable) -> Callable:
             sys.exit(f"error: {e}")
 
     return wrapped
+
+
+def check_resolvable(cfg: DictConfig) -> None:
+    """Resolve every ${...} now, so a bad one fails naming its key (a lazy read would not)."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        raise UserError(f"bad value for '{e.full_key}': {_first_line(e)}") from None
 
 
 def run_cli(hydra_main: Callable[[], None]) -> None:
