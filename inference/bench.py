@@ -22,6 +22,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from tqdm import tqdm
 
 from speculators.config import at_least, exit_on_user_error, run_cli, to_dataclass
 
@@ -81,9 +82,9 @@ def run(target, drafter, assistant, prompts: list[list[int]], cfg: BenchConfig) 
     seconds = {name: [] for name in runs}
     tokens = {name: [] for name in runs}
     outputs = {}
-    for _ in range(cfg.repeats):
+    for round_ in range(cfg.repeats):
         totals = {name: [0.0, 0] for name in runs}
-        for ids in prompts:
+        for ids in tqdm(prompts, desc=f"round {round_ + 1}/{cfg.repeats}", unit="prompt"):
             for name, fn in runs.items():  # interleaved: every method on this prompt, then the next prompt
                 started = time.perf_counter()
                 out = fn(ids)

@@ -21,6 +21,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from tqdm import tqdm
 
 from inference.drafting import DraftingConfig
 from speculators.config import UserError, at_least, exit_on_user_error, run_cli, to_dataclass
@@ -84,7 +85,7 @@ def run(target, rows: list[Method], prompts: list[list[int]], cfg: CompareConfig
         for row in rows:
             row.seconds.append(0.0)
             row.tokens.append(0)
-        for ids in prompts:
+        for ids in tqdm(prompts, desc=f"round {round_ + 1}/{cfg.repeats}", unit="prompt"):
             for row in rows:  # interleaved: every method on this prompt, then the next prompt
                 k = cfg.num_speculative_tokens if row.drafter is not None else 0
                 started = time.perf_counter()

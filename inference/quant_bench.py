@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from inference.drafting import DraftingConfig
 from inference.engine import Stats, generate
@@ -54,7 +55,7 @@ def interleaved(ways: dict, prompts: list[list[int]], new_tokens: int, repeats: 
     decoded = {name: Decoded([], [], Stats(k if drafter is not None else 0)) for name, (_, drafter) in ways.items()}
     for repeat in range(repeats):
         tokens, seconds = dict.fromkeys(ways, 0), dict.fromkeys(ways, 0.0)
-        for ids in prompts:
+        for ids in tqdm(prompts, desc=f"round {repeat + 1}/{repeats}", unit="prompt"):
             for name, (target, drafter) in ways.items():
                 out = generate(target, drafter, ids, new_tokens, k, drafting=drafting)
                 tokens[name] += len(out.tokens) - 1
