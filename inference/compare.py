@@ -171,7 +171,9 @@ def plot(table: list[dict], path: Path) -> None:
         rates = r["acceptance_rate_per_position"]
         ax.plot(range(1, len(rates) + 1), rates, marker="o",
                 label=f"{r['method']}: tau {r['acceptance_length']:.2f}, {r['speedup']:.2f}x")
-    ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1), title="acceptance per position")
+    positions = range(1, max(len(r["acceptance_rate_per_position"]) for r in table) + 1)
+    ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1), xticks=positions,
+           title="acceptance per position")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
