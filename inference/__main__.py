@@ -1,5 +1,5 @@
-"""`python -m inference drafter=<export dir> [target=...] [prompts=...] [max_new_tokens=N]
-[temperature=T] [num_speculative_tokens=K] [out=DIR]`: speculative decoding and its report."""
+"""`python -m inference drafter=<export dir> [target=...] [quant=int8|int4|fp8] [prompts=...]
+[max_new_tokens=N] [temperature=T] [num_speculative_tokens=K] [out=DIR]`: speculative decoding and its report."""
 
 from pathlib import Path
 
@@ -7,7 +7,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from speculators.config import exit_on_user_error, run_cli, to_dataclass
+from speculators.config import exit_on_user_error, register_group, run_cli, to_dataclass
+
+register_group("quant")  # the training recipes' conf/quant/ options, so `quant=int4` serves a quantized target
 
 
 # Its own config folder: `target=<path>` is a plain value here, not the training group.
@@ -17,7 +19,7 @@ def main(cfg: DictConfig) -> None:
     from inference import report
 
     cfg = to_dataclass(report.InferenceConfig, cfg)
-    drafter, target = report.load_pair(cfg.drafter, cfg.target)
+    drafter, target = report.load_pair(cfg.drafter, cfg.target, cfg.quant)
     result = report.measure(target, drafter, report.load_prompts(cfg), cfg)
     out_dir = Path(cfg.out or HydraConfig.get().runtime.output_dir)
     path = report.write(result, out_dir)

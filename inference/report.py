@@ -19,6 +19,7 @@ from inference.drafting import DraftingConfig
 from inference.engine import Stats, check_pair, generate_batch
 from speculators import corpus
 from speculators.config import UserError, at_least, require
+from speculators.quant import QuantConfig
 from train.run import LoggerConfig, wandb_mode
 
 
@@ -26,6 +27,7 @@ from train.run import LoggerConfig, wandb_mode
 class InferenceConfig:
     drafter: str = "???"  # an export folder (vLLM speculators format)
     target: str | None = None  # None: the verifier named in the drafter's config
+    quant: QuantConfig = field(default_factory=QuantConfig)  # serve the target quantized (quant=int8|int4|fp8)
     prompts: str = "heldout"  # heldout: first lines of test-split stdlib files; or a text file, one prompt per line
     num_prompts: int = 8
     prompt_lines: int = 6
@@ -51,7 +53,6 @@ class InferenceConfig:
 def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
     """(drafter, target) from an export; the target is the verifier its config names unless given."""
     from speculators import export
-    from speculators.quant import QuantConfig
     from speculators.target import FrozenTarget, TargetConfig
 
     drafter, verifier = export.load(Path(drafter_path))

@@ -153,6 +153,14 @@ def check_resolvable(cfg: DictConfig) -> None:
         raise UserError(f"bad value for '{e.full_key}': {_first_line(e)}") from None
 
 
+def register_group(group: str) -> None:
+    """Make conf/<group>/*.yaml a config group of commands whose config folder is elsewhere (conf/inference)."""
+    from hydra.core.config_store import ConfigStore
+
+    for path in sorted((PROJECT_ROOT / "conf" / group).glob("*.yaml")):
+        ConfigStore.instance().store(group=group, name=path.stem, node=OmegaConf.load(path))
+
+
 def run_cli(hydra_main: Callable[[], None]) -> None:
     """Run a @hydra.main function; config and input errors end in one line on stderr.
 

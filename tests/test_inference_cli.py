@@ -29,3 +29,18 @@ def test_report_files_and_an_offline_wandb_run(llama_dir, llama_target, make_dra
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     assert json.loads((runs[0] / "files" / "report.json").read_text()) == report
+
+
+def test_quant_serves_the_training_recipes_quantized_targets():
+    from hydra import compose, initialize_config_dir
+
+    import inference.__main__  # noqa: F401  (registers conf/quant/ as the quant group)
+    from inference.report import InferenceConfig
+    from speculators.config import to_dataclass
+    from speculators.quant import QuantConfig
+
+    with initialize_config_dir(str(REPO / "conf" / "inference"), version_base="1.3"):
+        default = to_dataclass(InferenceConfig, compose("config", ["drafter=x"]))
+        int4 = to_dataclass(InferenceConfig, compose("config", ["drafter=x", "quant=int4", "quant.group_size=64"]))
+    assert default.quant == QuantConfig()
+    assert int4.quant == QuantConfig(scheme="int4", group_size=64)
