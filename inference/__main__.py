@@ -7,17 +7,14 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from speculators.config import exit_on_user_error, register_group, run_cli, to_dataclass
-
-register_group("quant")  # the training recipes' conf/quant/ options, so `quant=int4` serves a quantized target
+from inference import report  # registers the quant group its config uses
+from speculators.config import exit_on_user_error, run_cli, to_dataclass
 
 
 # Its own config folder: `target=<path>` is a plain value here, not the training group.
 @hydra.main(config_path="../conf/inference", config_name="config", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
-    from inference import report
-
     cfg = to_dataclass(report.InferenceConfig, cfg)
     drafter, target = report.load_pair(cfg.drafter, cfg.target, cfg.quant)
     result = report.measure(target, drafter, report.load_prompts(cfg), cfg)

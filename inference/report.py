@@ -18,9 +18,12 @@ import torch
 from inference.drafting import DraftingConfig
 from inference.engine import Stats, check_pair, generate_batch
 from speculators import corpus
-from speculators.config import UserError, at_least, require
+from speculators.config import UserError, at_least, register_group, require
 from speculators.quant import QuantConfig
 from train.run import LoggerConfig, wandb_mode
+
+
+register_group("quant")  # conf/quant/ of the training recipes: `python -m inference quant=int4` serves it
 
 
 @dataclass

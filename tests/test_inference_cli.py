@@ -34,8 +34,7 @@ def test_report_files_and_an_offline_wandb_run(llama_dir, llama_target, make_dra
 def test_quant_serves_the_training_recipes_quantized_targets():
     from hydra import compose, initialize_config_dir
 
-    import inference.__main__  # noqa: F401  (registers conf/quant/ as the quant group)
-    from inference.report import InferenceConfig
+    from inference.report import InferenceConfig  # its module registers conf/quant/ as the quant group
     from speculators.config import to_dataclass
     from speculators.quant import QuantConfig
 
