@@ -23,7 +23,7 @@ from conftest import LAYER_IDS, VOCAB_SIZE
 from test_cli import run_train
 from test_config import composed, typed
 
-from speculators import draft_vocab
+from speculators import draft_vocab, export
 from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
 from speculators.target import FrozenTarget, TargetConfig
@@ -45,7 +45,15 @@ class Record(L.Callback):
     """Each step's loss averaged over the processes, and the rows every process trained on."""
 
     def __init__(self):
-        self.losses, self.rows, self.backend = {}, {}, None
+        self.losses, self.rows, self.backend, self.weights_held = {}, {}, None, None
+
+    def on_train_start(self, trainer, module):
+        """The fraction of the drafter's weights this process holds: 1 under ddp, about 1/2 under fsdp."""
+        from torch.distributed.tensor import DTensor
+
+        params = list(module.drafter.parameters())
+        held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+        self.weights_held = held / sum(p.numel() for p in params)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         step, strategy = trainer.global_step, trainer.strategy
@@ -61,7 +69,8 @@ def corpus() -> datasets.DatasetDict:
     return datasets.DatasetDict({s: datasets.Dataset.from_dict(split) for s in ("train", "validation", "test")})
 
 
-def train(target_dir: str, devices: int, max_steps: int, run_dir: Path, resume: str | None = None):
+def train(target_dir: str, devices: int, max_steps: int, run_dir: Path, resume: str | None = None,
+          strategy: str = "ddp"):
     L.seed_everything(0)
     target = FrozenTarget.load(TargetConfig(name_or_path=target_dir, layer_ids=LAYER_IDS))
     data_cfg = DataConfig(seq_len=SEQ_LEN, batch_size=GLOBAL_BATCH // devices, max_val_sequences=2)
@@ -71,7 +80,7 @@ def train(target_dir: str, devices: int, max_steps: int, run_dir: Path, resume: 
     drafter = Eagle3Drafter.from_target(Eagle3Config(ttt_steps=2, draft_vocab_size=DRAFT), target, counts)
     module = DrafterModule(drafter, target, OptimConfig(lr=1e-2, warmup_steps=2), max_steps=6)
     record = Record()
-    cfg = TrainerConfig(max_steps=max_steps, devices=devices, strategy="ddp" if devices > 1 else "auto",
+    cfg = TrainerConfig(max_steps=max_steps, devices=devices, strategy=strategy if devices > 1 else "auto",
                         val_every_n_steps=1000, checkpoint_every_n_steps=DDP_STEPS, progress_bar=False)
     trainer = make_trainer(cfg, False, run_dir, [record])
     fit(trainer, module, data, resume)
@@ -84,53 +93,59 @@ def test_trainer_ddp_config_and_its_bad_values():
     assert (trainer.strategy, trainer.accelerator, trainer.devices, trainer.num_nodes) == ("ddp", "cpu", 2, 1)
     assert trainer.max_steps == 600  # the recipe's own settings still apply
     for override, message in [("trainer.strategy=horovod", "trainer.strategy='horovod' is not valid; choose one of: "
-                                                         "auto, ddp"),
+                                                         "auto, ddp, fsdp"),
                               ("trainer.num_nodes=0", "trainer.num_nodes=0 is not valid: must be >= 1")]:
         with pytest.raises(UserError, match=re.escape(message)):
             typed(composed(["conf=eagle3", "trainer=ddp", override]))
 
 
-def test_two_processes_train_as_one_with_the_same_global_batch(llama_dir, tmp_path):
-    out = tmp_path / "ddp.json"
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_train_as_one_with_the_same_global_batch(strategy, llama_dir, tmp_path):
+    """fsdp: each process holds half of the drafter's weights, gradients and optimizer state."""
+    out = tmp_path / f"{strategy}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    two = subprocess.Popen([sys.executable, __file__, str(llama_dir), str(out)], env=env, stdout=subprocess.PIPE,
+    two = subprocess.Popen([sys.executable, __file__, str(llama_dir), str(out), strategy], env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     single, _ = train(str(llama_dir), devices=1, max_steps=DDP_STEPS + 2, run_dir=tmp_path / "single")  # meanwhile
     _, stderr = two.communicate(timeout=600)
     assert two.returncode == 0, stderr[-3000:]
     ddp = json.loads(out.read_text())
     assert ddp["world_size"] == 2 and ddp["backend"] == "gloo"
+    assert ddp["weights_held"] == 1.0 if strategy == "ddp" else 0.45 < ddp["weights_held"] < 0.55
 
     for step in range(1, DDP_STEPS + 1):
         rank0, rank1 = ddp["rows"][str(step)][:2], ddp["rows"][str(step)][2:]
         assert sorted(rank0 + rank1) == sorted(single.rows[step])  # the global batch, split between the two
         assert not set(map(tuple, rank0)) & set(map(tuple, rank1))
     differences = [abs(ddp["losses"][str(s)] - single.losses[s]) / single.losses[s] for s in range(1, DDP_STEPS + 1)]
-    print(f"DDP vs 1 process, relative loss differences per step: {differences}")
+    print(f"{strategy} vs 1 process, relative loss differences per step: {differences}")
     assert max(differences) < TOLERANCE, differences
 
     # The checkpoint counts the rows both processes consumed; one process resumes from it exactly there.
-    checkpoint = torch.load(tmp_path / "ddp" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    checkpoint = torch.load(tmp_path / strategy / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert checkpoint["TextDataModule"]["rows_consumed"] == DDP_STEPS * GLOBAL_BATCH
     resumed, _ = train(str(llama_dir), devices=1, max_steps=DDP_STEPS + 2, run_dir=tmp_path / "resumed",
-                       resume=str(tmp_path / "ddp"))
+                       resume=str(tmp_path / strategy))
     assert sorted(resumed.rows) == [DDP_STEPS + 1, DDP_STEPS + 2]
     assert all(resumed.rows[s] == single.rows[s] for s in resumed.rows)
     assert all(abs(resumed.losses[s] - single.losses[s]) < TOLERANCE * single.losses[s] for s in resumed.rows)
 
 
-def test_train_py_with_trainer_ddp_runs_two_processes_and_exports_once(llama_dir, tmp_path):
-    """`python train.py trainer=ddp`: Lightning starts the second process; one process exports."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_train_py_with_trainer_ddp_runs_two_processes_and_exports_once(strategy, llama_dir, tmp_path):
+    """`python train.py trainer=ddp|fsdp`: Lightning starts the second process; one process exports.
+    fsdp also serves the sharded drafter during training (serve_eval) and exports its whole weights."""
     docs = [part for text in corpus()["train"]["text"] for part in text.split("\n\n") if part.strip()]
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
     run_dir, steps, batch, seq_len = tmp_path / "run", 2, 2, 64
     result = run_train([
-        "conf=eagle3", "trainer=ddp", "data=text", f"data.path={path}", f"data.seq_len={seq_len}",
+        "conf=eagle3", f"trainer={strategy}", "data=text", f"data.path={path}", f"data.seq_len={seq_len}",
         f"data.batch_size={batch}", "data.max_val_sequences=2", f"trainer.max_steps={steps}", "logger=none",
         f"hydra.run.dir={run_dir}", f"target.name_or_path={llama_dir}",
         "target.layer_ids=[" + ",".join(map(str, LAYER_IDS)) + "]", "drafter.draft_vocab_size=96",
-        "drafter.ttt_steps=2", "serve_eval.every_n_steps=0", f"trainer.val_every_n_steps={steps}",
+        "drafter.ttt_steps=2", f"serve_eval.every_n_steps={steps if strategy == 'fsdp' else 0}",
+        "serve_eval.max_new_tokens=8", f"trainer.val_every_n_steps={steps}",
         f"trainer.checkpoint_every_n_steps={steps}", "trainer.progress_bar=false",
     ], cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -140,11 +155,15 @@ def test_train_py_with_trainer_ddp_runs_two_processes_and_exports_once(llama_dir
     assert training["steps"] == steps and training["tokens_seen"] == steps * batch * 2 * seq_len
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert checkpoint["TextDataModule"]["rows_consumed"] == steps * batch * 2
+    exported, _ = export.load(run_dir / "export")  # whole weights, equal to the checkpoint's
+    for name, weight in exported.state_dict().items():
+        assert torch.equal(weight, checkpoint["state_dict"][f"drafter.{name}"]), name
+    assert json.loads((run_dir / "acceptance" / "report.json").read_text())["outputs_match_baseline"]
 
 
 if __name__ == "__main__":
-    target_dir, out = sys.argv[1], Path(sys.argv[2])
-    record, trainer = train(target_dir, devices=2, max_steps=DDP_STEPS, run_dir=out.parent / "ddp")
+    target_dir, out, strategy = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    record, trainer = train(target_dir, devices=2, max_steps=DDP_STEPS, run_dir=out.parent / strategy, strategy=strategy)
     if trainer.is_global_zero:
-        out.write_text(json.dumps({"losses": record.losses, "rows": record.rows, "backend": record.backend,
+        out.write_text(json.dumps({"losses": record.losses, "rows": record.rows, "backend": record.backend, "weights_held": record.weights_held,
                                    "world_size": trainer.world_size}))

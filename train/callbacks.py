@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from inference.engine import Stats, generate
 from speculators.config import at_least
+from train.module import unsharded
 
 
 @dataclass
@@ -46,10 +47,10 @@ class ServeEvalCallback(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *_) -> None:
         if trainer.global_step % self.cfg.every_n_steps:
             return
-        drafter = module.drafter.eval()
         stats = Stats(self.k)
-        for ids in self.prompts:
-            stats.add(generate(self.target, drafter, ids, self.cfg.max_new_tokens, self.k).stats)
+        with unsharded(module.drafter.eval()) as drafter:
+            for ids in self.prompts:
+                stats.add(generate(self.target, drafter, ids, self.cfg.max_new_tokens, self.k).stats)
         drafter.train()
         drafts = max(stats.num_drafts, 1)
         module.log("serve/acceptance_length", 1 + stats.num_accepted_tokens / drafts, prog_bar=True)

@@ -11,7 +11,7 @@ from speculators.target import FrozenTarget
 from train.callbacks import ServeEvalCallback
 from train.data import TextDataModule, load_examples
 from train.hidden_cache import open_cache
-from train.module import DrafterModule
+from train.module import DrafterModule, plain_copy
 from train.run import DrafterRecipe, fit, make_logger, make_trainer
 
 
@@ -41,6 +41,7 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     fit(trainer, module, datamodule, recipe.resume)
 
     offline = trainer.validate(module, datamodule, verbose=False)[0]  # under DDP every process takes part
+    drafter = plain_copy(module.drafter, lambda: drafter_class.from_target(drafter_cfg, target, counts))
     if not trainer.is_global_zero:
         return  # one process exports and reports
     export_dir = export.save(drafter, run_dir / "export", export.Verifier.of(target), overwrite=recipe.overwrite,

@@ -6,10 +6,19 @@ which family it trains. The target is held as a plain attribute, not a submodule
 weights never reach the optimizer or a checkpoint. With data.hidden_states=cache, batches
 carry the target's hidden states and the target (loaded without its decoder layers) only
 applies its lm_head.
+
+Under trainer=fsdp (FSDP2, Lightning's ModelParallelStrategy) configure_model shards the
+drafter's weights, gradients and optimizer state across the processes. FSDP2 gathers the
+weights around forward(); a family trains through `training_loss`, registered here as one
+more forward method, and serves through `unsharded`.
 """
+
+import contextlib
+from collections.abc import Callable
 
 import lightning as L
 import torch
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
 from speculators.target import FrozenTarget, TargetOutput
 from train.optim import OptimConfig, check_finite, configure
@@ -20,6 +29,12 @@ class DrafterModule(L.LightningModule):
         super().__init__()
         self.drafter, self.target = drafter, target
         self.optim, self.max_steps = optim, max_steps
+
+    def configure_model(self) -> None:
+        if self.device_mesh is None or isinstance(self.drafter, FSDPModule):  # not FSDP, or sharded already
+            return
+        fully_shard(self.drafter, mesh=self.device_mesh["data_parallel"])
+        register_fsdp_forward_method(self.drafter, "training_loss")
 
     def on_fit_start(self) -> None:
         self.target.to(self.device)
@@ -46,3 +61,33 @@ class DrafterModule(L.LightningModule):
 
     def configure_optimizers(self):
         return configure(list(self.drafter.parameters()), self.optim, self.max_steps)
+
+
+@contextlib.contextmanager
+def unsharded(drafter: torch.nn.Module):
+    """The whole drafter on this process, to serve it between steps. Under FSDP2 every process
+    must enter (gathering the shards is collective); otherwise it changes nothing."""
+    if not isinstance(drafter, FSDPModule):
+        yield drafter
+        return
+    drafter.unshard()
+    try:
+        yield drafter
+    finally:
+        drafter.reshard()
+
+
+def plain_copy(drafter: torch.nn.Module, build: Callable[[], torch.nn.Module]) -> torch.nn.Module | None:
+    """The trained weights of an FSDP2-sharded drafter in a new, unsharded one from `build()`, on
+    process 0, to export and serve; None on the others (a collective: every process calls it).
+    Without FSDP, the drafter itself."""
+    if not isinstance(drafter, FSDPModule):
+        return drafter
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(drafter, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if torch.distributed.get_rank() != 0:
+        return None
+    fresh = build()
+    fresh.load_state_dict(state)
+    return fresh

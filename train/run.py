@@ -30,7 +30,9 @@ from train.pretrain import ModelConfig
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps", "tpu")
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
-STRATEGIES = ("auto", "ddp")  # ddp: one process per device, gradients all-reduced (gloo on CPU, nccl on GPU)
+# ddp: one process per device, gradients all-reduced (gloo on CPU, nccl on GPU); fsdp: the same
+# processes, each holding a shard of the drafter's weights, gradients and optimizer state (FSDP2)
+STRATEGIES = ("auto", "ddp", "fsdp")
 
 
 @dataclass
@@ -192,6 +194,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return checkpoint
 
 
+def lightning_strategy(cfg: TrainerConfig):
+    if cfg.strategy != "fsdp":
+        return cfg.strategy
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    # Every process one data-parallel shard, no tensor parallelism; checkpoints hold the whole
+    # state (one file, as under ddp), so a run resumes under any strategy and process count.
+    return ModelParallelStrategy(data_parallel_size=cfg.devices * cfg.num_nodes, tensor_parallel_size=1,
+                                 save_distributed_checkpoint=False)
+
+
 def make_trainer(cfg: TrainerConfig, logger, run_dir: Path, extra_callbacks=(), monitor: str | None = None) -> L.Trainer:
     """A step-based Trainer: validation and checkpoints every N optimizer steps, last.ckpt kept,
     and a checkpoint written when a signal stops the run."""
@@ -209,7 +222,7 @@ def make_trainer(cfg: TrainerConfig, logger, run_dir: Path, extra_callbacks=(), 
     try:
         return L.Trainer(
             max_steps=cfg.max_steps, accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
-            strategy=cfg.strategy, precision=cfg.precision,
+            strategy=lightning_strategy(cfg), precision=cfg.precision,
             accumulate_grad_batches=cfg.accumulate_grad_batches, gradient_clip_val=cfg.gradient_clip_val,
             log_every_n_steps=cfg.log_every_n_steps, val_check_interval=cfg.val_every_n_steps,
             check_val_every_n_epoch=None, logger=logger, callbacks=callbacks, default_root_dir=run_dir,
