@@ -1,6 +1,6 @@
 """Decode-speed benchmark: our speculative decoding against target-only decoding and peers.
 
-    python -m inference.bench drafter=<export dir> [assistant=<small HF model dir>] [repeats=3] [out=DIR]
+    python -m inference.bench drafter=<export dir> [assistant=<small HF model dir>|null] [repeats=3] [out=DIR]
 
 Methods, all greedy, on the same held-out prompts, interleaved prompt by prompt within each
 repeat so every method sees the same machine load; figures are medians over repeats:
@@ -9,7 +9,8 @@ repeat so every method sees the same machine load; figures are medians over repe
   K-token chains and (for drafters that have one) tree drafts;
 - hf_greedy: transformers' generate (for reference: how fast the stock loop is);
 - hf_prompt_lookup: transformers' prompt-lookup decoding (n-gram drafts from the prompt);
-- hf_assisted: transformers' assisted generation with a small draft model, when one is given.
+- hf_assisted: transformers' assisted generation with a small draft model (default: the shipped
+  models/pycode-assistant, which shares the default target's tokenizer; assistant=null skips it).
 """
 
 import json
@@ -24,14 +25,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from speculators.config import at_least, exit_on_user_error, run_cli, to_dataclass
+from speculators.config import at_least, exit_on_user_error, require, run_cli, to_dataclass
 
 
 @dataclass
 class BenchConfig:
     drafter: str = "???"
     target: str | None = None
-    assistant: str | None = None  # a small causal LM with the target's tokenizer, for assisted generation
+    assistant: str | None = None  # a small causal LM with the target's tokenizer, for assisted generation; null: skip
     num_prompts: int = 8
     prompt_lines: int = 6
     max_new_tokens: int = 64
@@ -108,6 +109,18 @@ def run(target, drafter, assistant, prompts: list[list[int]], cfg: BenchConfig) 
     return rows
 
 
+def load_assistant(path: str | None, target):
+    """The peer's small draft model; transformers' assisted generation needs it to share the target's vocabulary."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path is None:
+        return None
+    require((Path(path) / "config.json").is_file(), "assistant", path, "a saved causal LM folder (or null)")
+    same_vocabulary = AutoTokenizer.from_pretrained(path).get_vocab() == target.tokenizer.get_vocab()
+    require(same_vocabulary, "assistant", path, f"a model with the target's tokenizer ({target.name_or_path}), or null")
+    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
 def table(rows: dict) -> str:
     lines = [f"{'method':<18} {'tokens/s':>9} {'speed-up':>9} {'same output':>12}"]
     for name, row in rows.items():
@@ -119,13 +132,11 @@ def table(rows: dict) -> str:
 @hydra.main(config_path="../conf/inference", config_name="bench", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
-    from transformers import AutoModelForCausalLM
-
     from inference import report
 
     cfg = to_dataclass(BenchConfig, cfg)
     drafter, target = report.load_pair(cfg.drafter, cfg.target)
-    assistant = AutoModelForCausalLM.from_pretrained(cfg.assistant).eval() if cfg.assistant else None
+    assistant = load_assistant(cfg.assistant, target)
     prompts = [target.tokenizer(t)["input_ids"] for t in report.heldout_prompts(cfg.num_prompts, cfg.prompt_lines)]
     rows = run(target, drafter.eval(), assistant, prompts, cfg)
     result = {"methods": rows, "config": asdict(cfg), "git_revision": report.git_revision(),

@@ -1,5 +1,7 @@
 """The speed benchmark runs every method on the same prompts and checks each reproduces target-only greedy."""
 
+from pathlib import Path
+
 from inference.bench import BenchConfig, run, table
 
 
@@ -15,3 +17,24 @@ def test_bench_runs_every_method_and_compares_outputs(llama_target, make_drafter
         assert len(row["seconds"]) == cfg.repeats and row["tokens_per_second"] > 0
         assert row["outputs_match_target_only"], name  # all greedy: all must equal target-only output
     assert "speculative_tree" in table(rows)
+
+
+def test_an_assistant_with_another_vocabulary_is_refused_in_one_line(llama_target, tmp_path):
+    import pytest
+    from transformers import AutoTokenizer
+
+    from inference.bench import load_assistant
+    from speculators.config import UserError
+
+    assert load_assistant(None, llama_target) is None
+    with pytest.raises(UserError, match="assistant=.*saved causal LM"):
+        load_assistant(str(tmp_path / "missing"), llama_target)
+    other = tmp_path / "other"
+    llama_target.model.save_pretrained(other)
+    AutoTokenizer.from_pretrained(str(Path(__file__).parent.parent / "models" / "pycode")).save_pretrained(other)
+    with pytest.raises(UserError, match="target's tokenizer"):
+        load_assistant(str(other), llama_target)
+    same = tmp_path / "same"
+    llama_target.model.save_pretrained(same)
+    llama_target.tokenizer.save_pretrained(same)
+    assert load_assistant(str(same), llama_target).config.vocab_size == llama_target.model.config.vocab_size

@@ -67,7 +67,7 @@ def copy_small_stdlib(folder: Path) -> Path:
 
 def tiny_training(llama_dir: Path, stdlib: Path, run_dir: Path, recipe: str = "eagle3") -> list[str]:
     """`python train.py` overrides for a 2-step run on the tiny target."""
-    if recipe == "target_pretrain":
+    if not any(key.startswith("target.") for key, _ in TRAIN_KEYS[recipe]):  # pretraining: no frozen target
         return [f"conf={recipe}", f"hydra.run.dir={run_dir}", f"data.stdlib_path={stdlib}", "data.seq_len=32",
                 "data.batch_size=2", "data.max_val_sequences=2", "trainer.max_steps=2", "logger=none",
                 "trainer.progress_bar=false", "model.vocab_size=300", "model.hidden_size=32",

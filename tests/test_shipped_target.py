@@ -45,3 +45,23 @@ def test_default_recipe_trains_and_exports_for_the_shipped_target(tmp_path):
     assert t2d.dtype == torch.bool and len(t2d) == vocab
     assert json.loads((run_dir / "acceptance" / "report.json").read_text())["outputs_match_baseline"] is True
     assert f"export: {run_dir / 'export'}" in done.stdout
+
+
+def test_shipped_assistant_shares_the_targets_tokenizer_and_drafts_for_it():
+    """models/pycode-assistant (conf=assistant_pretrain) is inference.bench's default peer: transformers'
+    assisted generation with it must reproduce the target's greedy output."""
+    assistant_dir = ROOT / "models" / "pycode-assistant"
+    assert AutoTokenizer.from_pretrained(assistant_dir).get_vocab() == AutoTokenizer.from_pretrained(MODEL).get_vocab()
+    target = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=torch.float32).eval()
+    prompt = AutoTokenizer.from_pretrained(MODEL)("import os\n\ndef main():\n", return_tensors="pt")["input_ids"]
+    greedy = dict(do_sample=False, max_new_tokens=24, pad_token_id=target.generation_config.pad_token_id)
+    assert torch.equal(target.generate(prompt, **greedy), target.generate(prompt, assistant_model=assistant, **greedy))
+
+
+def test_tokenizer_training_is_deterministic():
+    """Why the assistant recipe may train its own tokenizer: the same texts give the same merges."""
+    from train.pretrain import train_tokenizer
+
+    texts = [Path(m.__file__).read_text() for m in (json.decoder, json.encoder, subprocess)]
+    assert train_tokenizer(texts, 600).get_vocab() == train_tokenizer(texts, 600).get_vocab()
