@@ -1,7 +1,7 @@
 """Quantized-target benchmark: decode speed and weight memory per quantization scheme.
 
     python -m inference.quant_bench OUT.json [--target DIR] [--prompts 4] [--new-tokens 64] [--repeats 3]
-                                             [--all-weights]
+                                             [--all-weights] [--decode-only]
 
 Target-only greedy decoding (inference.engine.generate, K=0, batch 1) of the same held-out
 prompts by the target loaded once per scheme (none, int8, int4, fp8; embeddings and lm_head
@@ -114,7 +114,8 @@ def forward_ms(targets: dict, repeats: int) -> dict[str, dict[str, float]]:
     return {name: {shape: statistics.median(ms) for shape, ms in row.items()} for name, row in times.items()}
 
 
-def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_weights: bool) -> dict:
+def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_weights: bool,
+        decode_only: bool = False) -> dict:
     options = dict(quantize_embeddings=all_weights, quantize_lm_head=all_weights)
     full = FrozenTarget.load(TargetConfig(name_or_path=target_dir))
     ways = {scheme: QuantConfig(scheme=scheme, **options) for scheme in QUANT_SCHEMES}
@@ -122,7 +123,7 @@ def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_we
     targets = {name: FrozenTarget.load(TargetConfig(name_or_path=target_dir), quant) for name, quant in ways.items()}
     prompts = [full.tokenizer(text)["input_ids"] for text in heldout_prompts(num_prompts)]
     decoded = interleaved({scheme: (target, None) for scheme, target in targets.items()}, prompts, new_tokens, repeats)
-    forwards = forward_ms(targets, repeats)
+    forwards = {} if decode_only else forward_ms(targets, repeats)
     base = statistics.median(decoded["none"].tokens_per_s)
     rows = {}
     for scheme, target in targets.items():
@@ -133,13 +134,13 @@ def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_we
             "tokens_per_s_repeats": speeds,
             "weight_bytes": weight_bytes(target.model),
             "linear_ops": linear_ops(target.model),
-            "forward_ms": forwards[scheme],
+            "forward_ms": forwards.get(scheme),
             "quant_dequant_rel_error": quant_error(full.model, target.model),
             "mean_prefix_equal_to_none": statistics.mean(
                 prefix_match(a, b) for a, b in zip(decoded[scheme].outputs, decoded["none"].outputs)),
         }
     return {"schemes": rows, "config": dict(target=target_dir, prompts=num_prompts, new_tokens=new_tokens,
-                                            repeats=repeats, quant_options=options),
+                                            repeats=repeats, quant_options=options, decode_only=decode_only),
             "git_revision": git_revision(), "machine": machine()}
 
 
@@ -151,8 +152,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--all-weights", action="store_true", help="quantize the embeddings and lm_head too")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="skip the whole-pass timings (minutes per training-size pass for large targets)")
     args = parser.parse_args()
-    result = run(args.target, args.prompts, args.new_tokens, args.repeats, args.all_weights)
+    result = run(args.target, args.prompts, args.new_tokens, args.repeats, args.all_weights, args.decode_only)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for scheme, row in result["schemes"].items():
