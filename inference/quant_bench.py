@@ -10,8 +10,9 @@ quant.cpu_matmul=dequantize, and int8 and int4 also on PyTorch's packed operator
 (cpu_matmul=packed; rows "int8/packed", "int4/packed"): the measurement behind the default.
 Beside decoding (one row per linear call), whole forward passes at the other sizes the target
 runs: a verification pass (1 x 6 tokens: K=5 drafts and the root) and a training batch
-(8 x 256 tokens), median milliseconds over `repeats`, interleaved the same way. Schemes are interleaved prompt by prompt within each repeat, so each sees
-the same machine load; tokens/s is the median over repeats of (tokens emitted) / (decode time
+(8 x 256 tokens), median milliseconds over `repeats`, interleaved the same way (--decode-only
+skips them). Schemes are interleaved prompt by prompt within each repeat, so each sees the same
+machine load; tokens/s is the median over repeats of (tokens emitted) / (decode time
 after the first token). Also per scheme: weight bytes, the CPU operator its linear layers use,
 the quantize-dequantize relative error ||W - W_q||_F / ||W||_F over the quantized layers, and
 output drift (mean length of the greedy output's prefix equal to the unquantized target's).
