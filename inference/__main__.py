@@ -1,4 +1,4 @@
-"""`python -m inference drafter=<export dir> [target=...] [quant=int8|int4|fp8] [prompts=...]
+"""`python -m inference drafter=<export dir> [target=...] [quant=int8|int4|fp8|w8a8] [prompts=...]
 [max_new_tokens=N] [temperature=T] [num_speculative_tokens=K] [out=DIR]`: speculative decoding and its report."""
 
 from pathlib import Path

@@ -1,13 +1,14 @@
 """Quantized-target benchmark: decode speed and weight memory per quantization scheme.
 
     python -m inference.quant_bench OUT.json [--target DIR] [--prompts 4] [--new-tokens 64] [--repeats 3]
-                                             [--all-weights] [--decode-only]
+                                             [--all-weights] [--decode-only] [--ways none,w8a8,...]
 
 Target-only greedy decoding (inference.engine.generate, K=0, batch 1) of the same held-out
-prompts by the target loaded once per scheme (none, int8, int4, fp8; embeddings and lm_head
+prompts by the target loaded once per scheme (none, int8, int4, fp8, w8a8; embeddings and lm_head
 kept, the defaults, or quantized too with --all-weights), each on the CPU path
 quant.cpu_matmul=dequantize, and int8 and int4 also on PyTorch's packed operators
 (cpu_matmul=packed; rows "int8/packed", "int4/packed"): the measurement behind the default.
+--ways keeps some of these rows (none, the baseline, always stays).
 Beside decoding (one row per linear call), whole forward passes at the other sizes the target
 runs: a verification pass (1 x 6 tokens: K=5 drafts and the root) and a training batch
 (8 x 256 tokens), median milliseconds over `repeats`, interleaved the same way (--decode-only
@@ -34,7 +35,7 @@ from tqdm import tqdm
 from inference.drafting import DraftingConfig
 from inference.engine import Stats, generate
 from inference.report import git_revision, heldout_prompts, machine
-from speculators.config import PROJECT_ROOT
+from speculators.config import PROJECT_ROOT, exit_on_user_error, require
 from speculators.quant import QUANT_SCHEMES, QuantConfig, QuantizedEmbedding, QuantizedLinear, weight_bytes
 from speculators.target import FrozenTarget, TargetConfig
 
@@ -99,6 +100,15 @@ def prefix_match(a: list[int], b: list[int]) -> int:
     return n
 
 
+def error_of(way: str, full, target, rows: dict) -> float | None:
+    """quant_error of a way's target. A packed row holds its scheme's quantized values, but reading them
+    back through the operator is slow: it reuses its scheme's row (None when that row is not measured)."""
+    scheme, packed, _ = way.partition("/")
+    if packed:
+        return rows.get(scheme, {}).get("quant_dequant_rel_error")
+    return quant_error(full.model, target.model)
+
+
 FORWARD_SHAPES = {"verify_1x6": (1, 6), "train_8x256": (8, 256)}
 
 
@@ -116,12 +126,17 @@ def forward_ms(targets: dict, repeats: int) -> dict[str, dict[str, float]]:
 
 
 def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_weights: bool,
-        decode_only: bool = False) -> dict:
+        decode_only: bool = False, chosen: list[str] | None = None) -> dict:
     options = dict(quantize_embeddings=all_weights, quantize_lm_head=all_weights)
-    full = FrozenTarget.load(TargetConfig(name_or_path=target_dir))
     ways = {scheme: QuantConfig(scheme=scheme, **options) for scheme in QUANT_SCHEMES}
     ways |= {f"{scheme}/packed": QuantConfig(scheme=scheme, cpu_matmul="packed", **options) for scheme in ("int8", "int4")}
-    targets = {name: FrozenTarget.load(TargetConfig(name_or_path=target_dir), quant) for name, quant in ways.items()}
+    if chosen:
+        unknown = sorted(set(chosen) - set(ways))
+        require(not unknown, "--ways", ",".join(unknown), f"a comma-separated list of {', '.join(ways)}")
+        ways = {name: quant for name, quant in ways.items() if name == "none" or name in chosen}
+    config = TargetConfig(name_or_path=target_dir, layer_ids=[0])  # target-only decoding: no drafter reads layers
+    full = FrozenTarget.load(config)
+    targets = {name: FrozenTarget.load(config, quant) for name, quant in ways.items()}
     prompts = [full.tokenizer(text)["input_ids"] for text in heldout_prompts(num_prompts)]
     decoded = interleaved({scheme: (target, None) for scheme, target in targets.items()}, prompts, new_tokens, repeats)
     forwards = {} if decode_only else forward_ms(targets, repeats)
@@ -136,17 +151,17 @@ def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_we
             "weight_bytes": weight_bytes(target.model),
             "linear_ops": linear_ops(target.model),
             "forward_ms": forwards.get(scheme),
-            # the packed rows hold the same quantized values; reading them back through the operator is slow
-            "quant_dequant_rel_error": rows[scheme.split("/")[0]]["quant_dequant_rel_error"] if "/" in scheme
-            else quant_error(full.model, target.model),
+            "quant_dequant_rel_error": error_of(scheme, full, target, rows),
             "mean_prefix_equal_to_none": statistics.mean(
                 prefix_match(a, b) for a, b in zip(decoded[scheme].outputs, decoded["none"].outputs)),
         }
     return {"schemes": rows, "config": dict(target=target_dir, prompts=num_prompts, new_tokens=new_tokens,
-                                            repeats=repeats, quant_options=options, decode_only=decode_only),
+                                            repeats=repeats, quant_options=options, decode_only=decode_only,
+                                            ways=list(ways)),
             "git_revision": git_revision(), "machine": machine()}
 
 
+@exit_on_user_error
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -157,8 +172,10 @@ def main() -> None:
     parser.add_argument("--all-weights", action="store_true", help="quantize the embeddings and lm_head too")
     parser.add_argument("--decode-only", action="store_true",
                         help="skip the whole-pass timings (minutes per training-size pass for large targets)")
+    parser.add_argument("--ways", help="comma-separated rows to measure, e.g. none,w8a8,int8/packed (default: all)")
     args = parser.parse_args()
-    result = run(args.target, args.prompts, args.new_tokens, args.repeats, args.all_weights, args.decode_only)
+    result = run(args.target, args.prompts, args.new_tokens, args.repeats, args.all_weights, args.decode_only,
+                 args.ways.split(",") if args.ways else None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for scheme, row in result["schemes"].items():

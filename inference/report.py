@@ -30,7 +30,7 @@ register_group("quant")  # conf/quant/ of the training recipes: `python -m infer
 class InferenceConfig:
     drafter: str = "???"  # an export folder (vLLM speculators format)
     target: str | None = None  # None: the verifier named in the drafter's config
-    quant: QuantConfig = field(default_factory=QuantConfig)  # serve the target quantized (quant=int8|int4|fp8)
+    quant: QuantConfig = field(default_factory=QuantConfig)  # serve the target quantized (quant=int8|int4|fp8|w8a8)
     prompts: str = "heldout"  # heldout: first lines of test-split stdlib files; or a text file, one prompt per line
     num_prompts: int = 8
     prompt_lines: int = 6

@@ -1,12 +1,16 @@
-"""Weight-only quantization of the frozen target, applied once at load (gpt-fast's pattern).
+"""Quantization of the frozen target, applied once at load (gpt-fast's pattern).
 
 Each scheme is a handler that checks a layer and builds its replacement module; `quantize`
 swaps the target's nn.Linear modules (and, if asked, its embeddings and lm_head) in place.
-Activations stay in the target's dtype; only weights are stored in fewer bits:
+int8, int4 and fp8 are weight-only: activations stay in the target's dtype. w8a8 quantizes both:
 - int8: per output channel n, s[n] = max_k |W[n, k]| / 127, q = round(W / s), W ~ q s.
 - int4: per group of `group_size` input columns, s = (max - min) / 15, q = round((W - min) / s)
   in 0..15, z = min + 8 s, W ~ (q - 8) s + z (PyTorch's int4 convention).
 - fp8: per output channel, s[n] = max_k |W[n, k]| / 448 (the largest e4m3 value), q = e4m3(W / s).
+- w8a8: int8 weights as above, and each row (token) of x rounded at run time to 129 levels:
+  a[m] = max_k |x[m, k]|, x ~ p (2/127) a[m] with p = round(x / a[m] / (2/127)) in -64..64, so the
+  integer matmul does the work. About 7 bits, not 8: the x86 operator (fbgemm) multiplies uint8 by
+  int8 in int16 pairs, which 8-bit activations could overflow (PyTorch's `reduce_range`).
 
 Forward, one dispatch rule: the Triton kernel (kernels.quant_matmul) where kernels.use_triton
 says so; else, with `cpu_matmul=packed`, PyTorch's packed weight-only CPU operators where they
@@ -17,10 +21,17 @@ when it leaves the CPU); else dequantize and one dense matmul. The default is `d
 fp32 matmul for one row, 45-90x for a training batch of 2,048 rows), while dequantizing costs
 well under a millisecond per layer whatever the rows (inference/results/quant_bench.json has the
 decode speeds of both). CPUs whose operators are vectorised (AVX-512, AMX) may differ: measure
-with inference.quant_bench. fp8 always dequantizes (PyTorch has no weight-only fp8 CPU operator). The quantized modules expose `weight`, the dequantized fp32
-matrix, for code that copies the target's embeddings or lm_head (drafters' from_target).
+with inference.quant_bench. fp8 always dequantizes (PyTorch has no weight-only fp8 CPU operator).
+w8a8 on the CPU always runs fbgemm's dynamic int8 operator (quantized::linear_dynamic, its reason to exist:
+3.7x a dense fp32 matmul for one row of a 5632 x 2048 layer here), elsewhere (GPUs, CPUs without fbgemm)
+the same math in torch: activations rounded as above, then kernels.quant_matmul. fbgemm picks one
+activation scale for the whole batch; dividing each row by its own a[m] and appending one pinning row
+[1, -1, 0, ...] fixes that scale at 2/127 (and its zero point), so a row's result never depends on
+the other rows in the batch (speculative verification then sees the numbers target-only decoding sees).
+The quantized modules expose `weight`, the dequantized fp32 matrix, for code that copies the target's embeddings or lm_head (drafters' from_target).
 """
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -31,18 +42,20 @@ import kernels
 from kernels.quant_matmul import dequantize, pack_int4
 from speculators.config import UserError, one_of, require
 
-QUANT_SCHEMES = ("none", "int8", "int4", "fp8")
+QUANT_SCHEMES = ("none", "int8", "int4", "fp8", "w8a8")
 CPU_MATMULS = ("dequantize", "packed")
 INT8_OP = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 INT4_PACK_OP = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
 INT4_OP = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
 INT4_OP_GROUPS = (32, 64, 128, 256)  # group sizes the int4 CPU operator takes; it also needs N % 16 == 0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FBGEMM = hasattr(torch.ops.quantized, "linear_dynamic") and torch.backends.quantized.engine in ("x86", "fbgemm")
+ACT_LEVELS = 127  # w8a8 activations: a step of 2/127 of the row's max |x|, levels -64..64
 
 
 @dataclass
 class QuantConfig:
-    scheme: str = "none"  # weight-only quantization of the target's linear layers
+    scheme: str = "none"  # quantization of the target's linear layers: weight-only, or w8a8 (weights and activations)
     group_size: int = 32  # int4: input columns sharing one scale and zero; must divide every quantized width
     quantize_embeddings: bool = False  # also the input embeddings (rows dequantized on lookup)
     quantize_lm_head: bool = False  # also the output projection
@@ -173,6 +186,51 @@ class WeightOnlyFp8Linear(QuantizedLinear):
         return "dequantize + matmul"
 
 
+class DynamicInt8Linear(WeightOnlyInt8Linear):
+    """w8a8: WeightOnlyInt8Linear's weights times each row of x rounded to 7 bits (module doc)."""
+
+    def __init__(self, weight, bias):
+        super().__init__(weight, bias)
+        self.fbgemm = prepack_fbgemm(self.qweight, self.scales) if FBGEMM and weight.device.type == "cpu" else None
+
+    def matmul(self, x):
+        if self.fbgemm is not None and not kernels.use_triton(x) and x.dtype == torch.float32:
+            rows = x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+            pin = x.new_zeros(1, self.in_features)
+            pin[0, 0], pin[0, 1] = 1.0, -1.0
+            return torch.ops.quantized.linear_dynamic(torch.cat([x / rows, pin]), self.fbgemm, True)[:-1] * rows
+        return kernels.quant_matmul(round_activations(x), self.qweight, self.scales)
+
+    def fbgemm_bytes(self) -> int:
+        """fbgemm keeps its own copy of the int8 weights (plus an int32 offset per channel); qweight stays
+        for rows() and devices without fbgemm."""
+        return 0 if self.fbgemm is None else self.qweight.numel() + 4 * self.out_features
+
+    def _apply(self, fn, recurse=True):
+        if self.fbgemm is not None and fn(torch.zeros(0)).device.type != "cpu":
+            self.fbgemm = None  # fbgemm's packed weights are CPU-only; qweight and scales serve elsewhere
+        return super()._apply(fn, recurse)
+
+    def cpu_op(self) -> str:
+        return "quantized.linear_dynamic (fbgemm)" if self.fbgemm is not None else "rounded activations + dequantize + matmul"
+
+
+def prepack_fbgemm(qweight: torch.Tensor, scales: torch.Tensor):
+    """fbgemm's packed form of int8 weights with per-channel scales (no bias: added after the rescale)."""
+    zeros = torch.zeros(len(scales), dtype=torch.long)
+    with warnings.catch_warnings():  # PyTorch marks quantized tensors as deprecated; torch is pinned in pyproject
+        warnings.simplefilter("ignore", UserWarning)
+        weight = torch._make_per_channel_quantized_tensor(qweight, scales.double(), zeros, 0)
+        return torch.ops.quantized.linear_prepack(weight, None)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x with each row rounded to w8a8's grid (module doc): the torch reference of the fbgemm path."""
+    rows = x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+    step = 2 / ACT_LEVELS
+    return torch.round(x / rows / step) * step * rows
+
+
 class QuantizedEmbedding(nn.Module):
     """An embedding table stored like a quantized Linear's weight; looked-up rows are dequantized."""
 
@@ -217,7 +275,12 @@ class Fp8Handler(Int8Handler):
         return WeightOnlyFp8Linear(weight, bias)
 
 
-HANDLERS = {"int8": Int8Handler, "int4": Int4Handler, "fp8": Fp8Handler}
+class W8A8Handler(Int8Handler):
+    def convert(self, weight, bias, cpu_pack):
+        return DynamicInt8Linear(weight, bias)
+
+
+HANDLERS = {"int8": Int8Handler, "int4": Int4Handler, "fp8": Fp8Handler, "w8a8": W8A8Handler}
 
 
 def quantize(model: nn.Module, cfg: QuantConfig) -> nn.Module:
@@ -251,5 +314,6 @@ def layers_to_quantize(model: nn.Module, cfg: QuantConfig) -> list[tuple[str, nn
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer: what the weights occupy in memory."""
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    """Bytes of every parameter and buffer, and of fbgemm's weight copies: what the weights occupy in memory."""
+    tensors = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return tensors + sum(m.fbgemm_bytes() for m in model.modules() if isinstance(m, DynamicInt8Linear))

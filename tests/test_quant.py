@@ -1,4 +1,4 @@
-"""Weight-only quantization of the target (speculators/quant.py, kernels/quant_matmul.py).
+"""Quantization of the target (speculators/quant.py, kernels/quant_matmul.py).
 
 1. Each scheme's Linear replacement computes x W_q^T + b for its quantized W_q: PyTorch's packed
    CPU operators and the dequantize-matmul path against kernels.quant_matmul_reference, on
@@ -10,6 +10,9 @@
 4. Bad input: unknown scheme, bad group sizes, a model quantized by another library.
 5. The Triton kernel against the reference, in Triton's interpreter (a child process started
    with TRITON_INTERPRET=1, as tests/test_kernels.py does).
+6. w8a8: fbgemm's operator against the torch reference (activations rounded per row, then
+   kernels.quant_matmul_reference), within a relative error of 1e-5 per row (summation order
+   only); a row's result does not depend on the other rows of its batch, bit for bit.
 
 Tolerances (fp32 everywhere; the implementations differ only in summation order and in where the
 scale is applied): atol 1e-4, rtol 1e-4 on outputs of magnitude ~10 (K <= 256, N(0, 1) inputs).
@@ -32,6 +35,9 @@ from kernels import quant_matmul, quant_matmul_reference, quant_matmul_triton
 from kernels.quant_matmul import dequantize
 from speculators.config import UserError
 from speculators.quant import (
+    ACT_LEVELS,
+    FBGEMM,
+    DynamicInt8Linear,
     QuantConfig,
     QuantizedEmbedding,
     QuantizedLinear,
@@ -39,12 +45,14 @@ from speculators.quant import (
     WeightOnlyInt4Linear,
     WeightOnlyInt8Linear,
     quantize,
+    round_activations,
 )
 from speculators.target import FrozenTarget, TargetConfig
 
 TOL = dict(atol=1e-4, rtol=1e-4)
-SCHEMES = ("int8", "int4", "fp8")
-ERROR_BOUND = {"int8": 0.01, "int4": 0.1, "fp8": 0.035}
+SCHEMES = ("int8", "int4", "fp8", "w8a8")
+WEIGHT_ONLY = SCHEMES[:3]
+ERROR_BOUND = {"int8": 0.01, "int4": 0.1, "fp8": 0.035, "w8a8": 0.01}
 SHAPES = [(48, 64, 32), (32, 256, 64), (20, 96, 32), (33, 128, 16), (16, 32, 32)]  # (N, K, int4 group size)
 
 interpreted = pytest.mark.skipif(not kernels.INTERPRET, reason="needs TRITON_INTERPRET=1 at start-up; "
@@ -82,6 +90,8 @@ def make(scheme: str, layer: nn.Linear, group: int, cpu_pack: bool = False) -> Q
         return WeightOnlyInt8Linear(layer.weight, layer.bias, cpu_pack)
     if scheme == "int4":
         return WeightOnlyInt4Linear(layer.weight, layer.bias, group, cpu_pack)
+    if scheme == "w8a8":
+        return DynamicInt8Linear(layer.weight, layer.bias)
     return WeightOnlyFp8Linear(layer.weight, layer.bias)
 
 
@@ -90,7 +100,7 @@ def make(scheme: str, layer: nn.Linear, group: int, cpu_pack: bool = False) -> Q
 
 @pytest.mark.parametrize("cpu_pack", [False, True], ids=["dequantize", "packed"])
 @pytest.mark.parametrize("N, K, group", SHAPES)
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", WEIGHT_ONLY)
 def test_quantized_linear_matches_reference(scheme, N, K, group, cpu_pack):
     layer = linear(N, K)
     module = make(scheme, layer, group, cpu_pack)
@@ -170,7 +180,8 @@ def load(llama_dir, **quant) -> FrozenTarget:
     return FrozenTarget.load(TargetConfig(name_or_path=str(llama_dir), layer_ids=LAYER_IDS), QuantConfig(**quant))
 
 
-QUANTS = [dict(scheme="int8"), dict(scheme="int4"), dict(scheme="fp8"), dict(scheme="int8", cpu_matmul="packed"),
+QUANTS = [dict(scheme="int8"), dict(scheme="int4"), dict(scheme="fp8"), dict(scheme="w8a8"),
+          dict(scheme="int8", cpu_matmul="packed"),
           dict(scheme="int4", cpu_matmul="packed"),
           dict(scheme="int4", group_size=16, quantize_embeddings=True, quantize_lm_head=True)]
 
@@ -230,7 +241,7 @@ def test_quant_yaml_mirrors_the_config(scheme):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(scheme="int3"), r"quant.scheme='int3' is not valid; choose one of: none, int8, int4, fp8"),
+    (dict(scheme="int3"), r"quant.scheme='int3' is not valid; choose one of: none, int8, int4, fp8, w8a8"),
     (dict(scheme="int4", group_size=0), r"quant.group_size=0 is not valid: must be an even number >= 2"),
     (dict(scheme="int4", group_size=33), r"quant.group_size=33 is not valid"),
     (dict(quantize_lm_head="yes"), r"quant.quantize_lm_head='yes' is not valid: must be true or false"),
@@ -298,3 +309,57 @@ def test_interpreted_triton_kernel_matches_reference(scheme, N, K, group, M):
     expected = quant_matmul_reference(x, qweight, scales, zeros, group_size)
     torch.testing.assert_close(quant_matmul_triton(x, qweight, scales, zeros, group_size), expected, **TOL)
     torch.testing.assert_close(quant_matmul(x, qweight, scales, zeros, group_size), expected, **TOL)  # the rule picks Triton
+
+
+@interpreted
+def test_interpreted_w8a8_rounds_activations_then_runs_the_kernel():
+    layer = linear(48, 64)
+    module = DynamicInt8Linear(layer.weight, layer.bias)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    expected = quant_matmul_reference(round_activations(x), module.qweight, module.scales) + layer.bias
+    torch.testing.assert_close(module(x), expected, **TOL)
+
+
+# --- 6. w8a8 -----------------------------------------------------------------------------------
+
+
+def outlier_rows(M: int, K: int) -> torch.Tensor:
+    """N(0, 1) rows, one of them 50x larger: a batch whose rows need very different scales."""
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+    x[M // 2] *= 50
+    return x
+
+
+@pytest.mark.skipif(not FBGEMM, reason="this CPU build has no fbgemm")
+@pytest.mark.parametrize("N, K, group", SHAPES)
+def test_w8a8_fbgemm_matches_the_torch_reference(N, K, group):
+    layer = linear(N, K)
+    module = DynamicInt8Linear(layer.weight, layer.bias)
+    assert module.cpu_op().startswith("quantized.linear_dynamic") != kernels.INTERPRET
+    x = outlier_rows(7, K)
+    expected = quant_matmul_reference(round_activations(x), module.qweight, module.scales) + layer.bias
+    y = module(x)
+    assert ((y - expected).norm(dim=1) / expected.norm(dim=1)).max() < 1e-5
+    drift = float((y - layer(x)).norm() / layer(x).norm())
+    assert 0 < drift < 0.03, drift  # 8-bit weights and 7-bit activations against fp32
+
+
+@pytest.mark.parametrize("M", [2, 6, 33])
+def test_w8a8_rows_do_not_depend_on_the_batch(M):
+    """What keeps speculation lossless: verifying k+1 tokens computes each row as decoding it alone would."""
+    layer = linear(40, 96)
+    module = DynamicInt8Linear(layer.weight, layer.bias)
+    x = outlier_rows(M, 96)
+    alone = torch.cat([module(row[None]) for row in x])
+    assert torch.equal(module(x), alone)
+
+
+def test_round_activations_is_a_grid_of_129_levels_per_row():
+    x = outlier_rows(4, 256)
+    rounded = round_activations(x)
+    rows = x.abs().amax(-1, keepdim=True)
+    levels = rounded / rows * ACT_LEVELS / 2
+    torch.testing.assert_close(levels, levels.round(), atol=1e-4, rtol=0)
+    assert levels.abs().max() == 64 and len(levels.round().unique()) <= 129
+    assert ((rounded - x).abs() <= rows / ACT_LEVELS + 1e-6).all()  # within half a step (2/127) of the row's max
+    assert torch.equal(round_activations(x[:1]), rounded[:1])

@@ -218,3 +218,18 @@ def test_command_line_end_to_end(exports, llama_dir, tmp_path):
     assert written["config"]["target"] == str(llama_dir) and written["machine"]["torch"] == torch.__version__
     assert (out / "quant_report.md").read_text() in result.stdout
     assert f"quantization report: {out / 'quant_report.json'}" in result.stdout
+
+
+def test_quant_bench_measures_the_ways_it_is_given(llama_dir):
+    from inference import quant_bench
+
+    result = quant_bench.run(str(llama_dir), num_prompts=1, new_tokens=4, repeats=1, all_weights=False,
+                             decode_only=True, chosen=["w8a8", "int8/packed"])
+    rows = result["schemes"]
+    assert list(rows) == ["none", "w8a8", "int8/packed"]  # the baseline always stays
+    assert rows["none"]["speedup_vs_none"] == 1 and rows["none"]["quant_dequant_rel_error"] is None
+    assert 0 < rows["w8a8"]["quant_dequant_rel_error"] < 0.01
+    assert rows["int8/packed"]["quant_dequant_rel_error"] is None  # its scheme's row was not measured
+    assert rows["w8a8"]["weight_bytes"] < rows["none"]["weight_bytes"]
+    with pytest.raises(UserError, match=r"--ways='int3' is not valid"):
+        quant_bench.run(str(llama_dir), 1, 4, 1, False, chosen=["int3"])
