@@ -14,8 +14,6 @@ repeat so every method sees the same machine load; figures are medians over repe
 """
 
 import json
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,8 +21,8 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
-from tqdm import tqdm
 
+from inference import rounds
 from speculators.config import at_least, exit_on_user_error, require, run_cli, to_dataclass
 
 
@@ -79,34 +77,13 @@ def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
 
 
 def run(target, drafter, assistant, prompts: list[list[int]], cfg: BenchConfig) -> dict:
-    runs = methods(target, drafter, assistant, cfg)
-    seconds = {name: [] for name in runs}
-    tokens = {name: [] for name in runs}
-    outputs = {}
-    for round_ in range(cfg.repeats):
-        totals = {name: [0.0, 0] for name in runs}
-        for ids in tqdm(prompts, desc=f"round {round_ + 1}/{cfg.repeats}", unit="prompt"):
-            for name, fn in runs.items():  # interleaved: every method on this prompt, then the next prompt
-                started = time.perf_counter()
-                out = fn(ids)
-                totals[name][0] += time.perf_counter() - started
-                totals[name][1] += len(out)
-                outputs.setdefault(name, []).append(out)
-        for name, (secs, count) in totals.items():
-            seconds[name].append(secs)
-            tokens[name].append(count)
-    rows = {}
-    for name in runs:
-        speed = statistics.median(t / s for t, s in zip(tokens[name], seconds[name]))
-        rows[name] = {"tokens_per_second": speed, "seconds": seconds[name], "tokens": tokens[name]}
-    base = rows["target_only"]["tokens_per_second"]
-    for row in rows.values():
-        row["speedup"] = row["tokens_per_second"] / base
-    reference = outputs["target_only"]
-    for name in runs:
-        # Every method here is greedy: each must reproduce target-only greedy output.
-        rows[name]["outputs_match_target_only"] = outputs[name] == reference
-    return rows
+    timed = rounds.interleaved(methods(target, drafter, assistant, cfg), prompts, cfg.repeats)
+    base = timed["target_only"].median_tokens_per_s()
+    return {name: {"tokens_per_second": t.median_tokens_per_s(), "seconds": t.seconds, "tokens": t.tokens,
+                   "speedup": t.median_tokens_per_s() / base,
+                   # every method here is greedy: each must reproduce target-only greedy output
+                   "outputs_match_target_only": t.results == timed["target_only"].results}
+            for name, t in timed.items()}
 
 
 def load_assistant(path: str | None, target):

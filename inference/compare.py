@@ -14,15 +14,14 @@ tokens its draft vocabulary holds: no position's acceptance rate can exceed it).
 
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
-from tqdm import tqdm
 
+from inference import rounds
 from inference.drafting import DraftingConfig
 from speculators.config import UserError, at_least, exit_on_user_error, run_cli, to_dataclass
 
@@ -81,21 +80,21 @@ def run(target, rows: list[Method], prompts: list[list[int]], cfg: CompareConfig
 
     for row in rows[1:]:
         check_pair(target, row.drafter)
-    for round_ in range(cfg.repeats):
-        for row in rows:
-            row.seconds.append(0.0)
-            row.tokens.append(0)
-        for ids in tqdm(prompts, desc=f"round {round_ + 1}/{cfg.repeats}", unit="prompt"):
-            for row in rows:  # interleaved: every method on this prompt, then the next prompt
-                k = cfg.num_speculative_tokens if row.drafter is not None else 0
-                started = time.perf_counter()
-                out = generate(target, row.drafter, ids, cfg.max_new_tokens, k, drafting=row.drafting)
-                row.seconds[-1] += time.perf_counter() - started
-                row.tokens[-1] += len(out.tokens)
-                if round_ == 0:
-                    row.outputs.append(out.tokens)
-                    row.stats = row.stats or Stats(k)
-                    row.stats.add(out.stats)
+
+    def decode(row: Method):
+        return lambda ids: generate(target, row.drafter, ids, cfg.max_new_tokens, k(row), drafting=row.drafting)
+
+    def k(row: Method) -> int:
+        return cfg.num_speculative_tokens if row.drafter is not None else 0
+
+    timed = rounds.interleaved({i: decode(row) for i, row in enumerate(rows)}, prompts, cfg.repeats,
+                               count=lambda out, wall: (len(out.tokens), wall))
+    for i, row in enumerate(rows):
+        row.seconds, row.tokens = timed[i].seconds, timed[i].tokens
+        row.outputs = [out.tokens for out in timed[i].results]
+        row.stats = Stats(k(row))
+        for out in timed[i].results:
+            row.stats.add(out.stats)
 
 
 def tau_standard_error(accepted_at: list[int], drafts: int) -> float:

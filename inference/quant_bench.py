@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from inference import rounds
 from inference.drafting import DraftingConfig
 from inference.engine import Stats, generate
 from inference.report import git_revision, heldout_prompts, machine
@@ -42,31 +42,28 @@ from speculators.target import FrozenTarget, TargetConfig
 
 @dataclass
 class Decoded:
-    """One way of decoding over every prompt: tokens/s of each repeat; outputs and counters of the first."""
+    """One way of decoding over every prompt: tokens/s of each round; outputs and counters of the first."""
 
     tokens_per_s: list[float]
     outputs: list[list[int]]
     stats: Stats
 
 
-def interleaved(ways: dict, prompts: list[list[int]], new_tokens: int, repeats: int, k: int = 0,
+def decode_ways(ways: dict, prompts: list[list[int]], new_tokens: int, repeats: int, k: int = 0,
                 drafting: DraftingConfig | None = None) -> dict[str, Decoded]:
-    """ways: name -> (target, drafter or None), greedy. Within each repeat every way decodes a prompt
-    before any way starts the next one, so all see the same machine load. tokens/s of a repeat =
-    tokens after the first / decode time after the first token, summed over the prompts."""
-    decoded = {name: Decoded([], [], Stats(k if drafter is not None else 0)) for name, (_, drafter) in ways.items()}
-    for repeat in range(repeats):
-        tokens, seconds = dict.fromkeys(ways, 0), dict.fromkeys(ways, 0.0)
-        for ids in tqdm(prompts, desc=f"round {repeat + 1}/{repeats}", unit="prompt"):
-            for name, (target, drafter) in ways.items():
-                out = generate(target, drafter, ids, new_tokens, k, drafting=drafting)
-                tokens[name] += len(out.tokens) - 1
-                seconds[name] += out.stats.decode_s
-                if repeat == 0:  # greedy: every repeat emits the same tokens
-                    decoded[name].outputs.append(out.tokens)
-                    decoded[name].stats.add(out.stats)
-        for name in ways:
-            decoded[name].tokens_per_s.append(tokens[name] / seconds[name])
+    """ways: name -> (target, drafter or None), greedy, interleaved (inference.rounds). tokens/s of a
+    round = tokens after the first / decode time after the first token, summed over the prompts."""
+    def decode(target, drafter):
+        return lambda ids: generate(target, drafter, ids, new_tokens, k if drafter is not None else 0, drafting=drafting)
+
+    timed = rounds.interleaved({name: decode(*way) for name, way in ways.items()}, prompts, repeats,
+                               count=lambda out, wall: (len(out.tokens) - 1, out.stats.decode_s))
+    decoded = {}
+    for name, (_, drafter) in ways.items():
+        stats = Stats(k if drafter is not None else 0)
+        for out in timed[name].results:
+            stats.add(out.stats)
+        decoded[name] = Decoded(timed[name].tokens_per_s(), [out.tokens for out in timed[name].results], stats)
     return decoded
 
 
@@ -138,7 +135,7 @@ def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_we
     full = FrozenTarget.load(config)
     targets = {name: FrozenTarget.load(config, quant) for name, quant in ways.items()}
     prompts = [full.tokenizer(text)["input_ids"] for text in heldout_prompts(num_prompts)]
-    decoded = interleaved({scheme: (target, None) for scheme, target in targets.items()}, prompts, new_tokens, repeats)
+    decoded = decode_ways({scheme: (target, None) for scheme, target in targets.items()}, prompts, new_tokens, repeats)
     forwards = {} if decode_only else forward_ms(targets, repeats)
     base = statistics.median(decoded["none"].tokens_per_s)
     rows = {}

@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from inference import report
 from inference.drafting import DraftingConfig
 from inference.engine import check_pair
-from inference.quant_bench import interleaved, linear_ops, prefix_match, quant_error
+from inference.quant_bench import decode_ways, linear_ops, prefix_match, quant_error
 from speculators import export
 from speculators.config import (
     PROJECT_ROOT,
@@ -173,7 +173,7 @@ def measure(targets: dict, drafters: dict, prompts: list[str], cfg: QuantReportC
     for target, drafter in ways:
         if drafter is not None:
             check_pair(targets[target], drafters[drafter])
-    decoded = interleaved({way: (served_with(targets[way[0]], drafters.get(way[1])), drafters.get(way[1]))
+    decoded = decode_ways({way: (served_with(targets[way[0]], drafters.get(way[1])), drafters.get(way[1]))
                            for way in ways}, ids, cfg.max_new_tokens, cfg.repeats, cfg.num_speculative_tokens,
                           cfg.drafting)
     reference = decoded[(FULL, None)].outputs

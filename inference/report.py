@@ -22,7 +22,6 @@ from speculators.config import UserError, at_least, register_group, require
 from speculators.quant import QuantConfig
 from train.run import LoggerConfig, wandb_mode
 
-
 register_group("quant")  # conf/quant/ of the training recipes: `python -m inference quant=int4` serves it
 
 

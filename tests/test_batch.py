@@ -22,7 +22,7 @@ from test_medusa import make_medusa
 from inference import engine, report
 from inference.drafting import ChainProposer, DraftingConfig, make_batch_proposer
 from inference.engine import generate, generate_batch
-from inference.sessions import HFSession, open_session
+from inference.sessions import HFSession
 from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
 from speculators.target import FrozenTarget

@@ -1,8 +1,8 @@
 """`python train.py`: one real end-to-end run on a tiny target, and the one-line errors of bad command lines."""
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
