@@ -129,7 +129,7 @@ def load_drafter(key: str, path: str, served: QuantConfig) -> torch.nn.Module:
 def same_quantization(a: QuantConfig, b: QuantConfig) -> bool:
     """The same quantized weights: the group size matters for int4 only, the flags for every scheme but none."""
     def effective(q):
-        return (q.scheme, q.group_size if q.scheme == "int4" else None,
+        return (q.scheme, q.group_size if q.scheme in ("int4", "gptq_int4") else None,
                 *((q.quantize_embeddings, q.quantize_lm_head) if q.scheme != "none" else ()))
     return effective(a) == effective(b)
 
@@ -137,7 +137,7 @@ def same_quantization(a: QuantConfig, b: QuantConfig) -> bool:
 def describe(quant: QuantConfig) -> str:
     if quant.scheme == "none":
         return "no quantization"
-    parts = [quant.scheme + (f", groups of {quant.group_size}" if quant.scheme == "int4" else "")]
+    parts = [quant.scheme + (f", groups of {quant.group_size}" if quant.scheme in ("int4", "gptq_int4") else "")]
     parts.append("embeddings " + ("quantized" if quant.quantize_embeddings else "kept"))
     parts.append("lm_head " + ("quantized" if quant.quantize_lm_head else "kept"))
     return "; ".join(parts)

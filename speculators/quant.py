@@ -2,10 +2,11 @@
 
 Each scheme is a handler that checks a layer and builds its replacement module; `quantize`
 swaps the target's nn.Linear modules (and, if asked, its embeddings and lm_head) in place.
-int8, int4 and fp8 are weight-only: activations stay in the target's dtype. w8a8 quantizes both:
+int8, int4, gptq_int4 and fp8 are weight-only: activations stay in the target's dtype. w8a8 quantizes both:
 - int8: per output channel n, s[n] = max_k |W[n, k]| / 127, q = round(W / s), W ~ q s.
 - int4: per group of `group_size` input columns, s = (max - min) / 15, q = round((W - min) / s)
   in 0..15, z = min + 8 s, W ~ (q - 8) s + z (PyTorch's int4 convention).
+- gptq_int4: the int4 format, its levels chosen by GPTQ on calibration text (speculators/gptq.py).
 - fp8: per output channel, s[n] = max_k |W[n, k]| / 448 (the largest e4m3 value), q = e4m3(W / s).
 - w8a8: int8 weights as above, and each row (token) of x rounded at run time to 129 levels:
   a[m] = max_k |x[m, k]|, x ~ p (2/127) a[m] with p = round(x / a[m] / (2/127)) in -64..64, so the
@@ -40,9 +41,10 @@ from torch import nn
 
 import kernels
 from kernels.quant_matmul import dequantize, pack_int4
+from speculators import gptq
 from speculators.config import UserError, one_of, require
 
-QUANT_SCHEMES = ("none", "int8", "int4", "fp8", "w8a8")
+QUANT_SCHEMES = ("none", "int8", "int4", "gptq_int4", "fp8", "w8a8")
 CPU_MATMULS = ("dequantize", "packed")
 INT8_OP = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 INT4_PACK_OP = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
@@ -56,16 +58,19 @@ ACT_LEVELS = 127  # w8a8 activations: a step of 2/127 of the row's max |x|, leve
 @dataclass
 class QuantConfig:
     scheme: str = "none"  # quantization of the target's linear layers: weight-only, or w8a8 (weights and activations)
-    group_size: int = 32  # int4: input columns sharing one scale and zero; must divide every quantized width
+    group_size: int = 32  # int4, gptq_int4: input columns sharing one scale and zero; must divide every quantized width
     quantize_embeddings: bool = False  # also the input embeddings (rows dequantized on lookup)
     quantize_lm_head: bool = False  # also the output projection
     cpu_matmul: str = "dequantize"  # on the CPU: dequantize + dense matmul, or PyTorch's packed int8/int4 operators
+    calibration_sequences: int = 32  # gptq_int4: 256-token pieces of the stdlib train split for GPTQ's statistics
 
     def __post_init__(self):
         one_of("quant.scheme", self.scheme, QUANT_SCHEMES)
         one_of("quant.cpu_matmul", self.cpu_matmul, CPU_MATMULS)
         require(self.group_size >= 2 and self.group_size % 2 == 0, "quant.group_size", self.group_size,
                 "an even number >= 2 (two int4 values share a byte)")
+        require(isinstance(self.calibration_sequences, int) and self.calibration_sequences >= 1,
+                "quant.calibration_sequences", self.calibration_sequences, "an integer >= 1")
         for key in ("quantize_embeddings", "quantize_lm_head"):
             require(isinstance(getattr(self, key), bool), f"quant.{key}", getattr(self, key), "true or false")
 
@@ -114,15 +119,22 @@ class WeightOnlyInt8Linear(QuantizedLinear):
         return "aten._weight_int8pack_mm" if self.cpu_packed else "dequantize + matmul"
 
 
+def round_to_nearest_int4(weight: torch.Tensor, group_size: int):
+    """(q [N, K] in 0..15, scales, zeros [N, K/g]): each weight to its nearest level (module doc)."""
+    N, K = weight.shape
+    w = weight.detach().float().view(N, K // group_size, group_size)
+    low, high = w.amin(-1), w.amax(-1)
+    scales = (high - low).clamp(min=1e-12) / 15
+    q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).view(N, K)
+    return q, scales, low + 8 * scales
+
+
 class WeightOnlyInt4Linear(QuantizedLinear):
-    def __init__(self, weight, bias, group_size: int, cpu_pack: bool = False):
+    def __init__(self, weight, bias, group_size: int, cpu_pack: bool = False, levels=None):
+        """levels: (q, scales, zeros) chosen elsewhere (GPTQ); None: round to nearest."""
         super().__init__(weight, bias)
         N, K = weight.shape
-        w = weight.detach().float().view(N, K // group_size, group_size)
-        low, high = w.amin(-1), w.amax(-1)
-        scales = (high - low).clamp(min=1e-12) / 15
-        q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).view(N, K)
-        zeros = low + 8 * scales
+        q, scales, zeros = levels if levels is not None else round_to_nearest_int4(weight, group_size)
         self.group_size = group_size
         self.cpu_packed = (cpu_pack and INT4_OP is not None and INT4_PACK_OP is not None and not kernels.INTERPRET
                            and weight.device.type == "cpu" and group_size in INT4_OP_GROUPS and N % 16 == 0)
@@ -256,7 +268,10 @@ class Int8Handler:
     def check(self, name: str, width: int) -> None:
         pass  # per channel: any width
 
-    def convert(self, weight, bias, cpu_pack: bool) -> QuantizedLinear:
+    def prepare(self, model: nn.Module, chosen: list[tuple[str, nn.Module]], tokenizer) -> None:
+        pass  # round to nearest needs nothing but the weights
+
+    def convert(self, name: str, weight, bias, cpu_pack: bool) -> QuantizedLinear:
         return WeightOnlyInt8Linear(weight, bias, cpu_pack)
 
 
@@ -266,25 +281,42 @@ class Int4Handler(Int8Handler):
             raise UserError(f"quant.group_size={self.cfg.group_size} does not divide the input width {width} of "
                             f"{name}; choose a divisor of it")
 
-    def convert(self, weight, bias, cpu_pack):
+    def convert(self, name, weight, bias, cpu_pack):
         return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_pack)
 
 
+class GptqInt4Handler(Int4Handler):
+    def prepare(self, model, chosen, tokenizer):
+        if tokenizer is None:
+            raise UserError("quant.scheme=gptq_int4 needs the target's tokenizer for its calibration text")
+        ids = gptq.calibration_ids(tokenizer, self.cfg.calibration_sequences)
+        linears = {name: m for name, m in chosen if isinstance(m, nn.Linear)}
+        self.hessians = gptq.input_hessians(model, linears, ids)
+
+    def convert(self, name, weight, bias, cpu_pack):
+        if name not in self.hessians:  # an embedding table: looked up, not multiplied, so nothing to calibrate
+            return super().convert(name, weight, bias, cpu_pack)
+        levels = gptq.gptq_int4(weight, self.hessians.pop(name), self.cfg.group_size)
+        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_pack, levels)
+
+
 class Fp8Handler(Int8Handler):
-    def convert(self, weight, bias, cpu_pack):
+    def convert(self, name, weight, bias, cpu_pack):
         return WeightOnlyFp8Linear(weight, bias)
 
 
 class W8A8Handler(Int8Handler):
-    def convert(self, weight, bias, cpu_pack):
+    def convert(self, name, weight, bias, cpu_pack):
         return DynamicInt8Linear(weight, bias)
 
 
-HANDLERS = {"int8": Int8Handler, "int4": Int4Handler, "fp8": Fp8Handler, "w8a8": W8A8Handler}
+HANDLERS = {"int8": Int8Handler, "int4": Int4Handler, "gptq_int4": GptqInt4Handler, "fp8": Fp8Handler,
+            "w8a8": W8A8Handler}
 
 
-def quantize(model: nn.Module, cfg: QuantConfig) -> nn.Module:
-    """Replace `model`'s linear layers (and embeddings / lm_head if configured) in place; returns it."""
+def quantize(model: nn.Module, cfg: QuantConfig, tokenizer=None) -> nn.Module:
+    """Replace `model`'s linear layers (and embeddings / lm_head if configured) in place; returns it.
+    `tokenizer` reads gptq_int4's calibration text."""
     if cfg.scheme == "none":
         return model
     existing = getattr(model.config, "quantization_config", None)
@@ -296,11 +328,12 @@ def quantize(model: nn.Module, cfg: QuantConfig) -> nn.Module:
     chosen = layers_to_quantize(model, cfg)
     for name, module in chosen:  # every check before any change
         handler.check(name, module.weight.shape[1])
+    handler.prepare(model, chosen, tokenizer)
     for name, module in chosen:
         if isinstance(module, nn.Embedding):
-            new = QuantizedEmbedding(handler.convert(module.weight, None, cpu_pack=False), module.weight.dtype)
+            new = QuantizedEmbedding(handler.convert(name, module.weight, None, cpu_pack=False), module.weight.dtype)
         else:
-            new = handler.convert(module.weight, module.bias, cpu_pack=cfg.cpu_matmul == "packed")
+            new = handler.convert(name, module.weight, module.bias, cpu_pack=cfg.cpu_matmul == "packed")
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
     return model

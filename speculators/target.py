@@ -114,7 +114,7 @@ class FrozenTarget:
         except (OSError, ValueError) as e:
             raise UserError(f"cannot load target {cfg.name_or_path!r}: {str(e).splitlines()[0]}") from None
         model.config.num_hidden_layers = num_layers  # what the drafter and the exports describe is the whole target
-        return cls(quantize(model, quant), tokenizer, cfg.name_or_path, cfg.layer_ids, layers)
+        return cls(quantize(model, quant, tokenizer), tokenizer, cfg.name_or_path, cfg.layer_ids, layers)
 
     @property
     def placed(self) -> bool:

@@ -10,6 +10,9 @@
 4. Bad input: unknown scheme, bad group sizes, a model quantized by another library.
 5. The Triton kernel against the reference, in Triton's interpreter (a child process started
    with TRITON_INTERPRET=1, as tests/test_kernels.py does).
+7. gptq_int4: with uncorrelated inputs (H = I) GPTQ is round-to-nearest exactly; with correlated
+   ones its layer outputs on the calibration inputs are closer to full precision than round-to-
+   nearest's, in the same int4 format.
 6. w8a8: fbgemm's operator against the torch reference (activations rounded per row, then
    kernels.quant_matmul_reference), within a relative error of 1e-5 per row (summation order
    only); a row's result does not depend on the other rows of its batch, bit for bit.
@@ -18,6 +21,7 @@ Tolerances (fp32 everywhere; the implementations differ only in summation order 
 scale is applied): atol 1e-4, rtol 1e-4 on outputs of magnitude ~10 (K <= 256, N(0, 1) inputs).
 """
 
+import copy
 import os
 import re
 import subprocess
@@ -32,8 +36,9 @@ from torch import nn
 import kernels
 from inference.engine import generate
 from kernels import quant_matmul, quant_matmul_reference, quant_matmul_triton
-from kernels.quant_matmul import dequantize
+from kernels.quant_matmul import dequantize, unpack_int4
 from speculators.config import UserError
+from speculators.gptq import gptq_int4
 from speculators.quant import (
     ACT_LEVELS,
     FBGEMM,
@@ -46,6 +51,7 @@ from speculators.quant import (
     WeightOnlyInt8Linear,
     quantize,
     round_activations,
+    round_to_nearest_int4,
 )
 from speculators.target import FrozenTarget, TargetConfig
 
@@ -182,7 +188,7 @@ def load(llama_dir, **quant) -> FrozenTarget:
 
 QUANTS = [dict(scheme="int8"), dict(scheme="int4"), dict(scheme="fp8"), dict(scheme="w8a8"),
           dict(scheme="int8", cpu_matmul="packed"),
-          dict(scheme="int4", cpu_matmul="packed"),
+          dict(scheme="int4", cpu_matmul="packed"), dict(scheme="gptq_int4", calibration_sequences=4),
           dict(scheme="int4", group_size=16, quantize_embeddings=True, quantize_lm_head=True)]
 
 
@@ -229,7 +235,7 @@ def test_train_eagle3_against_an_int4_target(llama_dir, tmp_path):
     assert "outputs match target-only greedy: True" in result.stdout
 
 
-@pytest.mark.parametrize("scheme", ["none", *SCHEMES])
+@pytest.mark.parametrize("scheme", ["none", *SCHEMES, "gptq_int4"])
 def test_quant_yaml_mirrors_the_config(scheme):
     from omegaconf import OmegaConf
 
@@ -241,11 +247,12 @@ def test_quant_yaml_mirrors_the_config(scheme):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(scheme="int3"), r"quant.scheme='int3' is not valid; choose one of: none, int8, int4, fp8, w8a8"),
+    (dict(scheme="int3"), r"quant.scheme='int3' is not valid; choose one of: none, int8, int4, gptq_int4, fp8, w8a8"),
     (dict(scheme="int4", group_size=0), r"quant.group_size=0 is not valid: must be an even number >= 2"),
     (dict(scheme="int4", group_size=33), r"quant.group_size=33 is not valid"),
     (dict(quantize_lm_head="yes"), r"quant.quantize_lm_head='yes' is not valid: must be true or false"),
     (dict(cpu_matmul="fast"), r"quant.cpu_matmul='fast' is not valid; choose one of: dequantize, packed"),
+    (dict(calibration_sequences=0), r"quant.calibration_sequences=0 is not valid: must be an integer >= 1"),
 ])
 def test_bad_config_is_a_one_line_error_naming_the_key(fields, message):
     with pytest.raises(UserError, match=message):
@@ -363,3 +370,33 @@ def test_round_activations_is_a_grid_of_129_levels_per_row():
     assert levels.abs().max() == 64 and len(levels.round().unique()) <= 129
     assert ((rounded - x).abs() <= rows / ACT_LEVELS + 1e-6).all()  # within half a step (2/127) of the row's max
     assert torch.equal(round_activations(x[:1]), rounded[:1])
+
+
+# --- 7. gptq_int4 ------------------------------------------------------------------------------
+
+
+def test_gptq_with_uncorrelated_inputs_is_round_to_nearest():
+    layer = linear(48, 128, bias=False)
+    levels = gptq_int4(layer.weight, torch.eye(128), group_size=32)
+    for got, expected in zip(levels, round_to_nearest_int4(layer.weight, 32)):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+def test_gptq_keeps_layer_outputs_closer_than_round_to_nearest():
+    layer = linear(64, 128, bias=False)
+    mixing = torch.randn(128, 128, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(2048, 128, generator=torch.Generator().manual_seed(3)) @ mixing  # correlated features
+    hessian = x.T @ x / len(x)
+    gptq = WeightOnlyInt4Linear(layer.weight, None, 32, levels=gptq_int4(layer.weight, hessian, 32))
+    nearest = WeightOnlyInt4Linear(layer.weight, None, 32)
+    errors = {name: float((m(x) - layer(x)).norm() / layer(x).norm()) for name, m in
+              (("gptq", gptq), ("nearest", nearest))}
+    print(errors)
+    assert errors["gptq"] < 0.8 * errors["nearest"], errors
+    q = unpack_int4(gptq.qweight)
+    assert q.min() >= 0 and q.max() <= 15 and gptq.scales.shape == (64, 4)
+
+
+def test_gptq_without_a_tokenizer_is_a_one_line_error(llama_target):
+    with pytest.raises(UserError, match="gptq_int4 needs the target's tokenizer"):
+        quantize(copy.deepcopy(llama_target.model), QuantConfig(scheme="gptq_int4"))
