@@ -28,7 +28,11 @@ w8a8 on the CPU always runs fbgemm's dynamic int8 operator (quantized::linear_dy
 the same math in torch: activations rounded as above, then kernels.quant_matmul. fbgemm picks one
 activation scale for the whole batch; dividing each row by its own a[m] and appending one pinning row
 [1, -1, 0, ...] fixes that scale at 2/127 (and its zero point), so a row's result never depends on
-the other rows in the batch (speculative verification then sees the numbers target-only decoding sees).
+the other rows in the batch (else every verified token would depend on the drafts beside it). The
+rest of the forward is not batch-invariant to the last bit (attention over 1 or k+1 queries sums in
+another order), and rounding activations can turn such a 1e-7 difference into one level's step: so
+greedy speculation over a w8a8 target is lossless in distribution but not always token-identical
+to w8a8 target-only decoding (inference.quant_report measures how often).
 The quantized modules expose `weight`, the dequantized fp32 matrix, for code that copies the target's embeddings or lm_head (drafters' from_target).
 """
 
