@@ -203,7 +203,7 @@ class WeightOnlyFp8Linear(QuantizedLinear):
 
 
 class DynamicInt8Linear(WeightOnlyInt8Linear):
-    """w8a8: WeightOnlyInt8Linear's weights times each row of x rounded to 7 bits (module doc)."""
+    """w8a8: WeightOnlyInt8Linear's weights times each row of x rounded to 129 levels (module doc)."""
 
     def __init__(self, weight, bias):
         super().__init__(weight, bias)
@@ -278,6 +278,10 @@ class Int8Handler:
     def convert(self, name: str, weight, bias, cpu_pack: bool) -> QuantizedLinear:
         return WeightOnlyInt8Linear(weight, bias, cpu_pack)
 
+    def convert_table(self, name: str, weight) -> QuantizedLinear:
+        """An embedding table: looked up row by row, never multiplied."""
+        return self.convert(name, weight, None, cpu_pack=False)
+
 
 class Int4Handler(Int8Handler):
     def check(self, name, width):
@@ -297,9 +301,10 @@ class GptqInt4Handler(Int4Handler):
         linears = {name: m for name, m in chosen if isinstance(m, nn.Linear)}
         self.hessians = gptq.input_hessians(model, linears, ids)
 
+    def convert_table(self, name, weight):
+        return super().convert(name, weight, None, cpu_pack=False)  # no inputs to calibrate on: round to nearest
+
     def convert(self, name, weight, bias, cpu_pack):
-        if name not in self.hessians:  # an embedding table: looked up, not multiplied, so nothing to calibrate
-            return super().convert(name, weight, bias, cpu_pack)
         levels = gptq.gptq_int4(weight, self.hessians.pop(name), self.cfg.group_size)
         return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_pack, levels)
 
@@ -312,6 +317,9 @@ class Fp8Handler(Int8Handler):
 class W8A8Handler(Int8Handler):
     def convert(self, name, weight, bias, cpu_pack):
         return DynamicInt8Linear(weight, bias)
+
+    def convert_table(self, name, weight):
+        return WeightOnlyInt8Linear(weight, None)  # lookups have no activations to round
 
 
 HANDLERS = {"int8": Int8Handler, "int4": Int4Handler, "gptq_int4": GptqInt4Handler, "fp8": Fp8Handler,
@@ -335,7 +343,7 @@ def quantize(model: nn.Module, cfg: QuantConfig, tokenizer=None) -> nn.Module:
     handler.prepare(model, chosen, tokenizer)
     for name, module in chosen:
         if isinstance(module, nn.Embedding):
-            new = QuantizedEmbedding(handler.convert(name, module.weight, None, cpu_pack=False), module.weight.dtype)
+            new = QuantizedEmbedding(handler.convert_table(name, module.weight), module.weight.dtype)
         else:
             new = handler.convert(name, module.weight, module.bias, cpu_pack=cfg.cpu_matmul == "packed")
         parent, _, child = name.rpartition(".")

@@ -191,6 +191,8 @@ def load(llama_dir, **quant) -> FrozenTarget:
 QUANTS = [dict(scheme="int8"), dict(scheme="int4"), dict(scheme="fp8"), dict(scheme="w8a8"),
           dict(scheme="int8", cpu_matmul="packed"),
           dict(scheme="int4", cpu_matmul="packed"), dict(scheme="gptq_int4", calibration_sequences=4),
+          dict(scheme="gptq_int4", calibration_sequences=4, quantize_embeddings=True, quantize_lm_head=True),
+          dict(scheme="w8a8", quantize_embeddings=True, quantize_lm_head=True),
           dict(scheme="int4", group_size=16, quantize_embeddings=True, quantize_lm_head=True)]
 
 
