@@ -24,6 +24,7 @@ scale is applied): atol 1e-4, rtol 1e-4 on outputs of magnitude ~10 (K <= 256, N
 """
 
 import copy
+import json
 import os
 import re
 import subprocess
@@ -239,6 +240,8 @@ def test_train_eagle3_against_an_int4_target(llama_dir, tmp_path):
     ], cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "outputs match target-only greedy: True" in result.stdout
+    report = json.loads((tmp_path / "run" / "acceptance" / "report.json").read_text())
+    assert report["config"]["quant"]["scheme"] == "int4"  # the report says which target it served
 
 
 @pytest.mark.parametrize("scheme", ["none", *SCHEMES, "gptq_int4"])

@@ -7,6 +7,7 @@ from inference import report
 from speculators import draft_vocab, export
 from speculators.config import require, to_dataclass
 from speculators.families import family
+from speculators.quant import QuantConfig
 from speculators.target import FrozenTarget
 from train.callbacks import ServeEvalCallback
 from train.data import TextDataModule, load_examples
@@ -50,7 +51,7 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
         trainer.logger.experiment.finish()  # flush W&B before the closing lines, not after them
     if cached:
         target = FrozenTarget.load(recipe.target, recipe.quant).to(module.device)  # the whole target, to serve
-    report_path = acceptance_report(drafter.eval(), target, offline, run_dir / "acceptance")
+    report_path = acceptance_report(drafter.eval(), target, recipe.quant, offline, run_dir / "acceptance")
     print(f"\nexport: {export_dir}\nacceptance report: {report_path}")
 
 
@@ -62,11 +63,12 @@ def training_record(recipe: DrafterRecipe, trainer) -> dict:
             "target": recipe.target.name_or_path, "quant": asdict(recipe.quant), "seed": recipe.seed}
 
 
-def acceptance_report(drafter, target, offline: dict, out_dir: Path) -> Path:
+def acceptance_report(drafter, target, quant: QuantConfig, offline: dict, out_dir: Path) -> Path:
     """Serve the drafter with the bundled engine on held-out prompts: the figures a serving
-    engine would see. Beside them, the per-step accuracy of validation (teacher-forced)."""
+    engine would see. Beside them, the per-step accuracy of validation (teacher-forced).
+    `quant`: how `target` was quantized at load (recorded in the report's config)."""
     steps = drafter.num_speculative_tokens
-    cfg = report.InferenceConfig(drafter=str(out_dir.parent / "export"), num_speculative_tokens=steps)
+    cfg = report.InferenceConfig(drafter=str(out_dir.parent / "export"), quant=quant, num_speculative_tokens=steps)
     result = report.measure(target, drafter, report.heldout_prompts(cfg.num_prompts, cfg.prompt_lines), cfg)
     result["offline_accuracy_per_step"] = [float(offline[f"val/acc_step{j}"]) for j in range(steps)
                                            if f"val/acc_step{j}" in offline]
