@@ -4,7 +4,7 @@
                                              [--all-weights] [--decode-only] [--ways none,w8a8,...]
 
 Target-only greedy decoding (inference.engine.generate, K=0, batch 1) of the same held-out
-prompts by the target loaded once per scheme (none, int8, int4, fp8, w8a8; embeddings and lm_head
+prompts by the target loaded once per scheme (none, int8, int4, gptq_int4, fp8, w8a8; embeddings and lm_head
 kept, the defaults, or quantized too with --all-weights), each on the CPU path
 quant.cpu_matmul=dequantize, and int8 and int4 also on PyTorch's packed operators
 (cpu_matmul=packed; rows "int8/packed", "int4/packed"): the measurement behind the default.
