@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 import kernels
 from kernels.quant_matmul import dequantize, pack_int4
@@ -299,14 +300,15 @@ class GptqInt4Handler(Int4Handler):
             raise UserError("quant.scheme=gptq_int4 needs the target's tokenizer for its calibration text")
         ids = gptq.calibration_ids(tokenizer, self.cfg.calibration_sequences)
         linears = {name: m for name, m in chosen if isinstance(m, nn.Linear)}
-        self.hessians = gptq.input_hessians(model, linears, ids)
+        hessians = gptq.input_hessians(model, linears, ids)
+        self.levels = {name: gptq.gptq_int4(m.weight, hessians.pop(name), self.cfg.group_size)
+                       for name, m in tqdm(linears.items(), desc="GPTQ", unit="layer")}
 
     def convert_table(self, name, weight):
         return super().convert(name, weight, None, cpu_pack=False)  # no inputs to calibrate on: round to nearest
 
     def convert(self, name, weight, bias, cpu_pack):
-        levels = gptq.gptq_int4(weight, self.hessians.pop(name), self.cfg.group_size)
-        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_pack, levels)
+        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_pack, self.levels.pop(name))
 
 
 class Fp8Handler(Int8Handler):
