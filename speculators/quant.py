@@ -212,7 +212,7 @@ class DynamicInt8Linear(WeightOnlyInt8Linear):
 
     def matmul(self, x):
         if self.fbgemm is not None and not kernels.use_triton(x) and x.dtype == torch.float32:
-            rows = x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+            rows = row_max(x)
             pin = x.new_zeros(1, self.in_features)
             pin[0, 0], pin[0, 1] = 1.0, -1.0
             return torch.ops.quantized.linear_dynamic(torch.cat([x / rows, pin]), self.fbgemm, True)[:-1] * rows
@@ -241,9 +241,14 @@ def prepack_fbgemm(qweight: torch.Tensor, scales: torch.Tensor):
         return torch.ops.quantized.linear_prepack(weight, None)
 
 
+def row_max(x: torch.Tensor) -> torch.Tensor:
+    """max_k |x[m, k]| per row [..., 1], kept off zero (an all-zero row divides by it)."""
+    return x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+
+
 def round_activations(x: torch.Tensor) -> torch.Tensor:
     """x with each row rounded to w8a8's grid (module doc): the torch reference of the fbgemm path."""
-    rows = x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+    rows = row_max(x)
     step = 2 / ACT_LEVELS
     return torch.round(x / rows / step) * step * rows
 
