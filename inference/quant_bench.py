@@ -5,9 +5,9 @@
 
 Target-only greedy decoding (inference.engine.generate, K=0, batch 1) of the same held-out
 prompts by the target loaded once per scheme (none, int8, int4, gptq_int4, fp8, w8a8; embeddings and lm_head
-kept, the defaults, or quantized too with --all-weights), each on the CPU path
-quant.cpu_matmul=dequantize, and int8 and int4 also on PyTorch's packed operators
-(cpu_matmul=packed; rows "int8/packed", "int4/packed"): the measurement behind the default.
+kept, the defaults, or quantized too with --all-weights), each on the default CPU path
+quant.cpu_matmul=kernel, and int8 and int4 also dequantized into one dense matmul and on PyTorch's
+packed operators (rows "int8/dequantize", "int4/packed", ...): the measurement behind the default.
 --ways keeps some of these rows (none, the baseline, always stays).
 Beside decoding (one row per linear call), whole forward passes at the other sizes the target
 runs: a verification pass (1 x 6 tokens: K=5 drafts and the root) and a training batch
@@ -126,7 +126,8 @@ def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_we
         decode_only: bool = False, chosen: list[str] | None = None) -> dict:
     options = dict(quantize_embeddings=all_weights, quantize_lm_head=all_weights)
     ways = {scheme: QuantConfig(scheme=scheme, **options) for scheme in QUANT_SCHEMES}
-    ways |= {f"{scheme}/packed": QuantConfig(scheme=scheme, cpu_matmul="packed", **options) for scheme in ("int8", "int4")}
+    ways |= {f"{scheme}/{path}": QuantConfig(scheme=scheme, cpu_matmul=path, **options)
+             for scheme in ("int8", "int4") for path in ("dequantize", "packed")}
     if chosen:
         unknown = sorted(set(chosen) - set(ways))
         require(not unknown, "--ways", ",".join(unknown), f"a comma-separated list of {', '.join(ways)}")

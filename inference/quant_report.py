@@ -68,7 +68,7 @@ class QuantReportConfig:
     group_size: int = 32  # as speculators.quant.QuantConfig, for every scheme
     quantize_embeddings: bool = False
     quantize_lm_head: bool = False
-    cpu_matmul: str = "dequantize"  # dequantize | packed (PyTorch's int8/int4 CPU operators)
+    cpu_matmul: str = "kernel"  # kernel | dequantize | packed, as speculators.quant.QuantConfig
     prompts: str = "heldout"  # heldout: first lines of test-split stdlib files; or a text file, one prompt per line
     num_prompts: int = 8
     prompt_lines: int = 6

@@ -7,12 +7,28 @@ Two weight formats (speculators.quant writes them):
   two q per byte in `packed` uint8 [N, K/2]: column 2j in the low nibble, 2j+1 in the high one.
   z is the value of the mid-level q = 8 (the tinygemm convention PyTorch's int4 CPU op uses).
 
-Two implementations of the same math:
-- `quant_matmul_reference`: dequantize W to x's dtype, then one matmul. The CPU path and the oracle.
+Three implementations of the same math:
+- `quant_matmul_reference`: dequantize W to x's dtype, then one matmul. The oracle, and the CPU path
+  for many rows (training batches, prefill), where one dense matmul amortises the dequantization.
 - `quant_matmul_triton`: tiles of x times tiles of W dequantized in registers; W never exists in
   full precision outside the kernel. Accumulates in fp32.
-`quant_matmul` picks one by `kernels.use_triton`.
+- `quant_matmul_cpu`: quant_matmul_cpu.cpp, an AVX2 kernel for a few fp32 rows (decoding,
+  verification) that reads the stored bytes and never materialises W: decoding is bound by memory
+  bandwidth, and W is 4x (int8) or 5x (int4 with fp32 scales and zeros per 32) smaller than fp32.
+  Compiled on first use with torch.utils.cpp_extension (once per machine, cached); where it cannot
+  build (no compiler, no AVX2) the reference serves, with one warning.
+`quant_matmul` picks one: Triton where `kernels.use_triton` says so; else the CPU kernel for at most
+CPU_KERNEL_MAX_ROWS rows if the caller allows it (cpu_kernel) and it applies; else the reference.
+Each row of the CPU kernel's result is computed alone, in one fixed order: it does not depend on the
+other rows of x (verifying k drafts gives the bits decoding one token would), nor on the threads.
 """
+
+import functools
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
 
 import torch
 import triton
@@ -20,11 +36,17 @@ import triton.language as tl
 
 from kernels import use_triton
 
+# Above this many rows dequantize + one dense matmul wins on our 2-core AVX2 CPU (kernels/results/quant_matmul_cpu.json).
+CPU_KERNEL_MAX_ROWS = 32
+CPU_KERNEL_STEP = 16  # the kernel dequantizes 16 weights at a time: K and int4 group sizes must be multiples
 
-def quant_matmul(x, qweight, scales, zeros=None, group_size: int | None = None):
+
+def quant_matmul(x, qweight, scales, zeros=None, group_size: int | None = None, cpu_kernel: bool = True):
     """x [..., K] times W^T -> [..., N]; int8 (zeros None) or packed int4 weights, see the module doc."""
     if use_triton(x):
         return quant_matmul_triton(x, qweight, scales, zeros, group_size)
+    if cpu_kernel and cpu_kernel_applies(x, group_size):
+        return quant_matmul_cpu(x, qweight, scales, zeros, group_size)
     return quant_matmul_reference(x, qweight, scales, zeros, group_size)
 
 
@@ -72,6 +94,50 @@ def check_inputs(x, qweight, scales, zeros, group_size) -> None:
                              f"got {tuple(scales.shape)} and {tuple(zeros.shape)}")
     if x.shape[-1] != K:
         raise ValueError(f"x has {x.shape[-1]} features but the weight has K={K}")
+
+
+# --- CPU path ----------------------------------------------------------------------------------
+
+
+def cpu_kernel_applies(x: torch.Tensor, group_size: int | None) -> bool:
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and rows <= CPU_KERNEL_MAX_ROWS
+            and x.shape[-1] % CPU_KERNEL_STEP == 0 and (group_size is None or group_size % CPU_KERNEL_STEP == 0)
+            and cpu_ops() is not None)
+
+
+def quant_matmul_cpu(x, qweight, scales, zeros=None, group_size: int | None = None):
+    check_inputs(x, qweight, scales, zeros, group_size)
+    x2 = x.reshape(-1, x.shape[-1])
+    if zeros is None:
+        out = cpu_ops().int8_matmul(x2, qweight.contiguous(), scales.float())
+    else:
+        out = cpu_ops().int4_matmul(x2, qweight.contiguous(), scales.float(), zeros.float(), group_size)
+    return out.view(*x.shape[:-1], qweight.shape[0])
+
+
+@functools.cache
+def cpu_ops():
+    """The compiled kernel's ops (torch.ops.speculators_forge), or None where it cannot build."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    source = Path(__file__).with_name("quant_matmul_cpu.cpp")
+    build = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions")) / "speculators_forge_cpu"
+    build.mkdir(parents=True, exist_ok=True)
+    lock = build / "lock"  # left behind by a build that was killed; torch would wait on it forever
+    if lock.exists() and time.time() - lock.stat().st_mtime > 600:
+        lock.unlink()
+    if not (build / "speculators_forge_cpu.so").exists():
+        print(f"compiling {source.name} for the CPU int8/int4 matmul (once per machine) in {build}", file=sys.stderr)
+    from torch.utils.cpp_extension import load
+    try:
+        load(name="speculators_forge_cpu", sources=[str(source)], build_directory=str(build), is_python_module=False,
+             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as error:  # no compiler, no headers: the reference still computes the same thing
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        warnings.warn(f"the CPU quantized-matmul kernel did not build ({first_line}); using dequantize + matmul")
+        return None
+    return torch.ops.speculators_forge
 
 
 # --- Triton path -----------------------------------------------------------------------------

@@ -14,15 +14,17 @@ int8, int4, gptq_int4 and fp8 are weight-only: activations stay in the target's 
   int8 in int16 pairs, which 8-bit activations could overflow (PyTorch's `reduce_range`).
 
 Forward, one dispatch rule: the Triton kernel (kernels.quant_matmul) where kernels.use_triton
-says so; else, with `cpu_matmul=packed`, PyTorch's packed weight-only CPU operators where they
-exist (aten._weight_int8pack_mm; aten._weight_int4pack_mm_for_cpu, which needs N % 16 == 0 and a
-group size of 32..256, and its own weight layout, chosen when the layer is quantized and undone
-when it leaves the CPU); else dequantize and one dense matmul. The default is `dequantize`: on our
-2-core CPU the packed operators cost about 0.2 ms per row of x for a 688 x 256 layer (10x a dense
-fp32 matmul for one row, 45-90x for a training batch of 2,048 rows), while dequantizing costs
-well under a millisecond per layer whatever the rows (inference/results/quant_bench.json has the
-decode speeds of both). CPUs whose operators are vectorised (AVX-512, AMX) may differ: measure
-with inference.quant_bench. fp8 always dequantizes (PyTorch has no weight-only fp8 CPU operator).
+says so; else on the CPU by `cpu_matmul`:
+- kernel (default): kernels.quant_matmul's CPU kernel (AVX2, reads the int8/int4 bytes) for up to
+  32 rows of x, dequantize and one dense matmul for more (training batches, prefill).
+- dequantize: always dequantize and one dense matmul.
+- packed: PyTorch's packed weight-only CPU operators where they exist (aten._weight_int8pack_mm;
+  aten._weight_int4pack_mm_for_cpu, which needs N % 16 == 0 and a group size of 32..256, and its own
+  weight layout, chosen when the layer is quantized and undone when it leaves the CPU). On our
+  2-core CPU they cost about 0.2 ms per row of x for a 688 x 256 layer (10x a dense fp32 matmul for
+  one row): inference/results/quant_bench.json. CPUs with AVX-512 or AMX may differ: measure with
+  inference.quant_bench.
+fp8 always dequantizes (PyTorch has no weight-only fp8 CPU operator).
 w8a8 on the CPU always runs fbgemm's dynamic int8 operator (quantized::linear_dynamic, its reason to exist:
 2.64x fp32 decoding on a 369M model here, inference/results/quant_bench_370m_w8a8.json), elsewhere (GPUs, CPUs without fbgemm)
 the same math in torch: activations rounded as above, then kernels.quant_matmul. fbgemm picks one
@@ -50,7 +52,7 @@ from speculators import gptq
 from speculators.config import UserError, one_of, require
 
 QUANT_SCHEMES = ("none", "int8", "int4", "gptq_int4", "fp8", "w8a8")
-CPU_MATMULS = ("dequantize", "packed")
+CPU_MATMULS = ("kernel", "dequantize", "packed")
 INT8_OP = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 INT4_PACK_OP = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
 INT4_OP = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
@@ -66,7 +68,7 @@ class QuantConfig:
     group_size: int = 32  # int4, gptq_int4: input columns sharing one scale and zero; must divide every quantized width
     quantize_embeddings: bool = False  # also the input embeddings (rows dequantized on lookup)
     quantize_lm_head: bool = False  # also the output projection
-    cpu_matmul: str = "dequantize"  # on the CPU: dequantize + dense matmul, or PyTorch's packed int8/int4 operators
+    cpu_matmul: str = "kernel"  # on the CPU: our int8/int4 kernel for few rows, dequantize + dense matmul, or PyTorch's packed operators
     calibration_sequences: int = 32  # gptq_int4: 256-token pieces of the stdlib train split for GPTQ's statistics
 
     def __post_init__(self):
@@ -104,9 +106,10 @@ class QuantizedLinear(nn.Module):
 
 
 class WeightOnlyInt8Linear(QuantizedLinear):
-    def __init__(self, weight, bias, cpu_pack: bool = False):
+    def __init__(self, weight, bias, cpu_matmul: str = "kernel"):
         super().__init__(weight, bias)
-        self.cpu_packed = cpu_pack and INT8_OP is not None  # the same int8 layout serves both paths
+        self.cpu_packed = cpu_matmul == "packed" and INT8_OP is not None  # the same int8 layout serves all paths
+        self.cpu_kernel = cpu_matmul == "kernel"
         w = weight.detach().float()
         scales = w.abs().amax(1).clamp(min=1e-12) / 127
         self.register_buffer("qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
@@ -115,13 +118,13 @@ class WeightOnlyInt8Linear(QuantizedLinear):
     def matmul(self, x):
         if self.cpu_packed and not kernels.use_triton(x):
             return INT8_OP(x, self.qweight, self.scales.to(x.dtype))
-        return kernels.quant_matmul(x, self.qweight, self.scales)
+        return kernels.quant_matmul(x, self.qweight, self.scales, cpu_kernel=self.cpu_kernel)
 
     def rows(self, ids):
         return dequantize(self.qweight[ids], self.scales[ids])
 
     def cpu_op(self) -> str:
-        return "aten._weight_int8pack_mm" if self.cpu_packed else "dequantize + matmul"
+        return "aten._weight_int8pack_mm" if self.cpu_packed else cpu_path(self.cpu_kernel)
 
 
 def round_to_nearest_int4(weight: torch.Tensor, group_size: int):
@@ -135,13 +138,14 @@ def round_to_nearest_int4(weight: torch.Tensor, group_size: int):
 
 
 class WeightOnlyInt4Linear(QuantizedLinear):
-    def __init__(self, weight, bias, group_size: int, cpu_pack: bool = False, levels=None):
+    def __init__(self, weight, bias, group_size: int, cpu_matmul: str = "kernel", levels=None):
         """levels: (q, scales, zeros) chosen elsewhere (GPTQ); None: round to nearest."""
         super().__init__(weight, bias)
         N, K = weight.shape
         q, scales, zeros = levels if levels is not None else round_to_nearest_int4(weight, group_size)
         self.group_size = group_size
-        self.cpu_packed = (cpu_pack and INT4_OP is not None and INT4_PACK_OP is not None and not kernels.INTERPRET
+        self.cpu_kernel = cpu_matmul == "kernel"
+        self.cpu_packed = (cpu_matmul == "packed" and INT4_OP is not None and INT4_PACK_OP is not None and not kernels.INTERPRET
                            and weight.device.type == "cpu" and group_size in INT4_OP_GROUPS and N % 16 == 0)
         if self.cpu_packed:  # PyTorch's CPU operator: its own packing of q, and (s, z) as one [K/g, N, 2] tensor
             self.register_buffer("qweight", INT4_PACK_OP(q.to(torch.int32), 1))
@@ -154,7 +158,7 @@ class WeightOnlyInt4Linear(QuantizedLinear):
     def matmul(self, x):
         if self.cpu_packed:
             return INT4_OP(x, self.qweight, self.group_size, self.scales_and_zeros.to(x.dtype))
-        return kernels.quant_matmul(x, self.qweight, self.scales, self.zeros, self.group_size)
+        return kernels.quant_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, self.cpu_kernel)
 
     def unpack(self) -> None:
         """Back to kernels.quant_matmul's format, exactly: q = (W - z) / s + 8 with W read through the operator."""
@@ -181,7 +185,7 @@ class WeightOnlyInt4Linear(QuantizedLinear):
         return dequantize(self.qweight[ids], self.scales[ids], self.zeros[ids], self.group_size)
 
     def cpu_op(self) -> str:
-        return "aten._weight_int4pack_mm_for_cpu" if self.cpu_packed else "dequantize + matmul"
+        return "aten._weight_int4pack_mm_for_cpu" if self.cpu_packed else cpu_path(self.cpu_kernel)
 
 
 class WeightOnlyFp8Linear(QuantizedLinear):
@@ -230,6 +234,11 @@ class DynamicInt8Linear(WeightOnlyInt8Linear):
 
     def cpu_op(self) -> str:
         return "quantized.linear_dynamic (fbgemm)" if self.fbgemm is not None else "rounded activations + dequantize + matmul"
+
+
+def cpu_path(kernel: bool) -> str:
+    """What a weight-only layer runs on the CPU without PyTorch's packed operators."""
+    return "int8/int4 kernel (few rows) or dequantize + matmul" if kernel else "dequantize + matmul"
 
 
 def prepack_fbgemm(qweight: torch.Tensor, scales: torch.Tensor):
@@ -281,12 +290,12 @@ class Int8Handler:
     def prepare(self, model: nn.Module, chosen: list[tuple[str, nn.Module]], tokenizer) -> None:
         pass  # round to nearest needs nothing but the weights
 
-    def convert(self, name: str, weight, bias, cpu_pack: bool) -> QuantizedLinear:
-        return WeightOnlyInt8Linear(weight, bias, cpu_pack)
+    def convert(self, name: str, weight, bias, cpu_matmul: str) -> QuantizedLinear:
+        return WeightOnlyInt8Linear(weight, bias, cpu_matmul)
 
     def convert_table(self, name: str, weight) -> QuantizedLinear:
         """An embedding table: looked up row by row, never multiplied."""
-        return self.convert(name, weight, None, cpu_pack=False)
+        return self.convert(name, weight, None, cpu_matmul="dequantize")
 
 
 class Int4Handler(Int8Handler):
@@ -295,8 +304,8 @@ class Int4Handler(Int8Handler):
             raise UserError(f"quant.group_size={self.cfg.group_size} does not divide the input width {width} of "
                             f"{name}; choose a divisor of it")
 
-    def convert(self, name, weight, bias, cpu_pack):
-        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_pack)
+    def convert(self, name, weight, bias, cpu_matmul):
+        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_matmul)
 
 
 class GptqInt4Handler(Int4Handler):
@@ -310,19 +319,19 @@ class GptqInt4Handler(Int4Handler):
                        for name, m in tqdm(linears.items(), desc="GPTQ", unit="layer")}
 
     def convert_table(self, name, weight):
-        return super().convert(name, weight, None, cpu_pack=False)  # no inputs to calibrate on: round to nearest
+        return super().convert(name, weight, None, cpu_matmul="dequantize")  # no inputs to calibrate on: round to nearest
 
-    def convert(self, name, weight, bias, cpu_pack):
-        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_pack, self.levels.pop(name))
+    def convert(self, name, weight, bias, cpu_matmul):
+        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_matmul, self.levels.pop(name))
 
 
 class Fp8Handler(Int8Handler):
-    def convert(self, name, weight, bias, cpu_pack):
+    def convert(self, name, weight, bias, cpu_matmul):
         return WeightOnlyFp8Linear(weight, bias)
 
 
 class W8A8Handler(Int8Handler):
-    def convert(self, name, weight, bias, cpu_pack):
+    def convert(self, name, weight, bias, cpu_matmul):
         return DynamicInt8Linear(weight, bias)
 
     def convert_table(self, name, weight):
@@ -352,7 +361,7 @@ def quantize(model: nn.Module, cfg: QuantConfig, tokenizer=None) -> nn.Module:
         if isinstance(module, nn.Embedding):
             new = QuantizedEmbedding(handler.convert_table(name, module.weight), module.weight.dtype)
         else:
-            new = handler.convert(name, module.weight, module.bias, cpu_pack=cfg.cpu_matmul == "packed")
+            new = handler.convert(name, module.weight, module.bias, cfg.cpu_matmul)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
     return model

@@ -18,6 +18,9 @@
 6. w8a8: fbgemm's operator against the torch reference (activations rounded per row, then
    kernels.quant_matmul_reference), within a relative error of 1e-5 per row (summation order
    only); a row's result does not depend on the other rows of its batch, bit for bit.
+8. The CPU kernel (kernels/quant_matmul_cpu.cpp) against the reference for every row count it
+   serves (1..32: each row-tile remainder), int8 and int4 with group sizes 16..128; a row's result
+   does not depend on the other rows nor on the thread count, bit for bit.
 
 Tolerances (fp32 everywhere; the implementations differ only in summation order and in where the
 scale is applied): atol 1e-4, rtol 1e-4 on outputs of magnitude ~10 (K <= 256, N(0, 1) inputs).
@@ -39,11 +42,20 @@ from torch import nn
 import kernels
 from inference.engine import generate
 from kernels import quant_matmul, quant_matmul_reference, quant_matmul_triton
-from kernels.quant_matmul import dequantize, unpack_int4
+from kernels.quant_matmul import (
+    CPU_KERNEL_MAX_ROWS,
+    cpu_kernel_applies,
+    cpu_ops,
+    dequantize,
+    pack_int4,
+    quant_matmul_cpu,
+    unpack_int4,
+)
 from speculators.config import UserError
 from speculators.gptq import gptq_int4
 from speculators.quant import (
     ACT_LEVELS,
+    CPU_MATMULS,
     FBGEMM,
     DynamicInt8Linear,
     QuantConfig,
@@ -87,18 +99,18 @@ def stored(module: QuantizedLinear):
 def reference(module: QuantizedLinear, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """x W_q^T + b through kernels.quant_matmul_reference, from the generic (unpacked) format."""
     if isinstance(module, WeightOnlyInt4Linear):
-        module = WeightOnlyInt4Linear(layer.weight, layer.bias, module.group_size, cpu_pack=False)
+        module = WeightOnlyInt4Linear(layer.weight, layer.bias, module.group_size, cpu_matmul="dequantize")
     qweight, scales, zeros, group = stored(module)
     if isinstance(module, WeightOnlyFp8Linear):
         return x @ (qweight * scales[:, None]).T + layer.bias
     return quant_matmul_reference(x, qweight, scales, zeros, group) + layer.bias
 
 
-def make(scheme: str, layer: nn.Linear, group: int, cpu_pack: bool = False) -> QuantizedLinear:
+def make(scheme: str, layer: nn.Linear, group: int, cpu_matmul: str = "kernel") -> QuantizedLinear:
     if scheme == "int8":
-        return WeightOnlyInt8Linear(layer.weight, layer.bias, cpu_pack)
+        return WeightOnlyInt8Linear(layer.weight, layer.bias, cpu_matmul)
     if scheme == "int4":
-        return WeightOnlyInt4Linear(layer.weight, layer.bias, group, cpu_pack)
+        return WeightOnlyInt4Linear(layer.weight, layer.bias, group, cpu_matmul)
     if scheme == "w8a8":
         return DynamicInt8Linear(layer.weight, layer.bias)
     return WeightOnlyFp8Linear(layer.weight, layer.bias)
@@ -107,28 +119,29 @@ def make(scheme: str, layer: nn.Linear, group: int, cpu_pack: bool = False) -> Q
 # --- 1. the Linear replacements ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cpu_pack", [False, True], ids=["dequantize", "packed"])
+@pytest.mark.parametrize("cpu_matmul", CPU_MATMULS)
 @pytest.mark.parametrize("N, K, group", SHAPES)
 @pytest.mark.parametrize("scheme", WEIGHT_ONLY)
-def test_quantized_linear_matches_reference(scheme, N, K, group, cpu_pack):
+def test_quantized_linear_matches_reference(scheme, N, K, group, cpu_matmul):
     layer = linear(N, K)
-    module = make(scheme, layer, group, cpu_pack)
+    module = make(scheme, layer, group, cpu_matmul)
     x = torch.randn(2, 5, K, generator=torch.Generator().manual_seed(1))
     y = module(x)
     assert y.shape == (2, 5, N)
     torch.testing.assert_close(y, reference(module, x, layer), **TOL)
     torch.testing.assert_close(module(x[:1, :1]), y[:1, :1], **TOL)  # one decode row, as in generation
+    packed = cpu_matmul == "packed"
     if scheme == "int4":
-        assert module.cpu_packed == (cpu_pack and not kernels.INTERPRET and N % 16 == 0 and group in (32, 64, 128, 256))
+        assert module.cpu_packed == (packed and not kernels.INTERPRET and N % 16 == 0 and group in (32, 64, 128, 256))
     if scheme == "int8":
-        assert module.cpu_packed == cpu_pack
+        assert module.cpu_packed == packed
 
 
 def test_int4_leaves_the_cpu_operators_layout_exactly():
     """model.to(<GPU>) unpacks the CPU operator's layout into kernels.quant_matmul's, bit for bit
     (here: unpack() on the CPU, and a move to the meta device)."""
     layer = linear(48, 64)
-    packed = WeightOnlyInt4Linear(layer.weight, layer.bias, 32, cpu_pack=True)
+    packed = WeightOnlyInt4Linear(layer.weight, layer.bias, 32, cpu_matmul="packed")
     generic = WeightOnlyInt4Linear(layer.weight, layer.bias, 32)
     assert packed.cpu_packed
     x = torch.randn(3, 64)
@@ -138,15 +151,15 @@ def test_int4_leaves_the_cpu_operators_layout_exactly():
     for name in ("qweight", "scales", "zeros"):
         assert torch.equal(getattr(packed, name), getattr(generic, name)), name
     torch.testing.assert_close(packed(x), y, **TOL)
-    moved = WeightOnlyInt4Linear(layer.weight, layer.bias, 32, cpu_pack=True).to("meta")
+    moved = WeightOnlyInt4Linear(layer.weight, layer.bias, 32, cpu_matmul="packed").to("meta")
     assert not moved.cpu_packed and moved.qweight.shape == (48, 32) and moved.qweight.device.type == "meta"
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_weight_and_embedding_rows_are_the_dequantized_weight(scheme):
     layer = linear(32, 64, bias=False)
-    module = make(scheme, layer, 32, cpu_pack=True)
-    generic = WeightOnlyInt4Linear(layer.weight, None, 32, cpu_pack=False) if scheme == "int4" else module
+    module = make(scheme, layer, 32, cpu_matmul="packed")
+    generic = WeightOnlyInt4Linear(layer.weight, None, 32) if scheme == "int4" else module
     qweight, scales, zeros, group = stored(generic)
     w = dequantize(qweight, scales, zeros, group)
     torch.testing.assert_close(module.weight, w, **TOL)
@@ -156,13 +169,23 @@ def test_weight_and_embedding_rows_are_the_dequantized_weight(scheme):
 
 
 def test_quant_matmul_follows_the_dispatch_rule():
-    """On the CPU: Triton (interpreted) under TRITON_INTERPRET=1, the torch reference otherwise."""
+    """On the CPU: Triton (interpreted) under TRITON_INTERPRET=1; else the CPU kernel for up to
+    CPU_KERNEL_MAX_ROWS rows where it applies and is allowed, the torch reference otherwise."""
     assert kernels.use_triton(torch.zeros(1)) == kernels.INTERPRET
     layer = linear(32, 64)
-    module = WeightOnlyInt4Linear(layer.weight, None, 32, cpu_pack=False)
-    x = torch.randn(3, 64)
-    expected = quant_matmul_reference(x, module.qweight, module.scales, module.zeros, 32)
-    torch.testing.assert_close(quant_matmul(x, module.qweight, module.scales, module.zeros, 32), expected, **TOL)
+    module = WeightOnlyInt4Linear(layer.weight, None, 32)
+    stored_int4 = (module.qweight, module.scales, module.zeros, 32)
+    for rows in (3, CPU_KERNEL_MAX_ROWS + 1):
+        x = torch.randn(rows, 64)
+        expected = quant_matmul_reference(x, *stored_int4)
+        torch.testing.assert_close(quant_matmul(x, *stored_int4), expected, **TOL)
+        if kernels.INTERPRET or cpu_ops() is None:
+            continue
+        kernel_serves = rows <= CPU_KERNEL_MAX_ROWS
+        assert torch.equal(quant_matmul(x, *stored_int4), quant_matmul_cpu(x, *stored_int4) if kernel_serves else expected)
+        assert torch.equal(quant_matmul(x, *stored_int4, cpu_kernel=False), expected)
+    assert not cpu_kernel_applies(torch.randn(1, 72), None)  # K not a multiple of 16
+    assert not cpu_kernel_applies(torch.randn(1, 64), 8)  # nor the group size
 
 
 # --- 2. quantize-dequantize error --------------------------------------------------------------
@@ -260,7 +283,7 @@ def test_quant_yaml_mirrors_the_config(scheme):
     (dict(scheme="int4", group_size=0), r"quant.group_size=0 is not valid: must be an even number >= 2"),
     (dict(scheme="int4", group_size=33), r"quant.group_size=33 is not valid"),
     (dict(quantize_lm_head="yes"), r"quant.quantize_lm_head='yes' is not valid: must be true or false"),
-    (dict(cpu_matmul="fast"), r"quant.cpu_matmul='fast' is not valid; choose one of: dequantize, packed"),
+    (dict(cpu_matmul="fast"), r"quant.cpu_matmul='fast' is not valid; choose one of: kernel, dequantize, packed"),
     (dict(calibration_sequences=0), r"quant.calibration_sequences=0 is not valid: must be an integer >= 1"),
 ])
 def test_bad_config_is_a_one_line_error_naming_the_key(fields, message):
@@ -409,3 +432,46 @@ def test_gptq_keeps_layer_outputs_closer_than_round_to_nearest():
 def test_gptq_without_a_tokenizer_is_a_one_line_error(llama_target):
     with pytest.raises(UserError, match="gptq_int4 needs the target's tokenizer"):
         quantize(copy.deepcopy(llama_target.model), QuantConfig(scheme="gptq_int4"))
+
+
+# --- 8. the CPU kernel ---------------------------------------------------------------------------
+
+needs_cpu_kernel = pytest.mark.skipif(kernels.INTERPRET or cpu_ops() is None,
+                                      reason="the CPU kernel needs AVX2 and a C++ compiler (and no TRITON_INTERPRET)")
+
+
+def int4_weights(N: int, K: int, group: int):
+    q, scales, zeros = round_to_nearest_int4(torch.randn(N, K, generator=torch.Generator().manual_seed(2)), group)
+    return pack_int4(q), scales, zeros, group
+
+
+def int8_weights(N: int, K: int):
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g), torch.rand(N, generator=g) / 64, None, None
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 32])
+@pytest.mark.parametrize("weights", ["int8", "int4/16", "int4/32", "int4/128"])
+def test_cpu_kernel_matches_reference(weights, rows):
+    N, K = 40, 256
+    stored_w = int8_weights(N, K) if weights == "int8" else int4_weights(N, K, int(weights.split("/")[1]))
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    torch.testing.assert_close(quant_matmul_cpu(x, *stored_w), quant_matmul_reference(x, *stored_w), **TOL)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_cpu_kernel_rows_are_independent_of_batch_and_threads(weights):
+    stored_w = int8_weights(64, 512) if weights == "int8" else int4_weights(64, 512, 32)
+    x = torch.randn(11, 512)
+    batch = quant_matmul_cpu(x, *stored_w)
+    for i in range(len(x)):
+        assert torch.equal(quant_matmul_cpu(x[i:i + 1], *stored_w), batch[i:i + 1]), i
+        assert torch.equal(quant_matmul_cpu(x[i:i + 5], *stored_w), batch[i:i + 5]), i
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(quant_matmul_cpu(x, *stored_w), batch)
+    finally:
+        torch.set_num_threads(threads)
