@@ -3,8 +3,9 @@
 //
 // Decoding a large model reads every weight once per token: the matmul is bound by memory
 // bandwidth, so reading 0.5 (int4) or 1 (int8) byte per weight instead of 4 is the speed-up.
-// Each output channel n is dequantized 16 weights at a time into two AVX2 registers and multiplied
-// into up to four rows of x at once; rows beyond four reread the channel's bytes from L1.
+// Each output channel n is converted 16 weights at a time into two AVX2 registers and multiplied
+// into a tile of rows of x (3 for int4, 4 for int8: more would spill registers); further tiles
+// reread the channel's bytes from L1. Channels are split between threads, rows never are.
 //
 // int4 layout (kernels/quant_matmul.py): byte j of row n holds columns 2j (low nibble) and 2j+1
 // (high nibble); W[n, k] = q * s[n, g] + (z[n, g] - 8 s[n, g]). Rather than interleave the
@@ -17,8 +18,8 @@
 
 namespace {
 
-constexpr int kStep = 16;     // weights dequantized per inner step
-constexpr int kInt4RowTile = 3;  // rows of x sharing one dequantized step: more spill registers
+constexpr int kStep = 16;  // weights converted per inner step
+constexpr int kInt4RowTile = 3;  // rows of x sharing one converted step
 constexpr int kInt8RowTile = 4;
 
 float horizontal_sum(__m256 v) {
