@@ -475,3 +475,16 @@ def test_cpu_kernel_rows_are_independent_of_batch_and_threads(weights):
         assert torch.equal(quant_matmul_cpu(x, *stored_w), batch)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_cpu_kernel_that_cannot_build_warns_and_leaves_the_reference(monkeypatch):
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'speculators_forge_cpu'\nc++: not found")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with pytest.warns(UserWarning, match=r"did not build \(Error building extension 'speculators_forge_cpu'\); "
+                                         r"using dequantize \+ matmul"):
+        assert cpu_ops.__wrapped__() is None
