@@ -99,7 +99,7 @@ class QuantizedLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.rows(torch.arange(self.out_features, device=self.qweight.device))
+        return self.rows(torch.arange(self.out_features, device=next(self.buffers()).device))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -208,11 +208,15 @@ class WeightOnlyFp8Linear(QuantizedLinear):
 
 
 class DynamicInt8Linear(WeightOnlyInt8Linear):
-    """w8a8: WeightOnlyInt8Linear's weights times each row of x rounded to 129 levels (module doc)."""
+    """w8a8: WeightOnlyInt8Linear's weights times each row of x rounded to 129 levels (module doc).
+    On a CPU with fbgemm its packed copy is the only int8 matrix kept (qweight None until it leaves the CPU)."""
 
     def __init__(self, weight, bias):
         super().__init__(weight, bias)
-        self.fbgemm = prepack_fbgemm(self.qweight, self.scales) if FBGEMM and weight.device.type == "cpu" else None
+        self.fbgemm = None
+        if FBGEMM and weight.device.type == "cpu":
+            self.fbgemm = prepack_fbgemm(self.qweight, self.scales)
+            self.qweight = None
 
     def matmul(self, x):
         if self.fbgemm is not None and not kernels.use_triton(x) and x.dtype == torch.float32:
@@ -220,16 +224,26 @@ class DynamicInt8Linear(WeightOnlyInt8Linear):
             pin = x.new_zeros(1, self.in_features)
             pin[0, 0], pin[0, 1] = 1.0, -1.0
             return torch.ops.quantized.linear_dynamic(torch.cat([x / rows, pin]), self.fbgemm, True)[:-1] * rows
-        return kernels.quant_matmul(round_activations(x), self.qweight, self.scales)
+        return kernels.quant_matmul(round_activations(x), self.int8_weight(), self.scales)
+
+    def int8_weight(self) -> torch.Tensor:
+        if self.fbgemm is None:
+            return self.qweight
+        with warnings.catch_warnings():  # PyTorch marks quantized tensors as deprecated; torch is pinned in pyproject
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.ops.quantized.linear_unpack(self.fbgemm)[0].int_repr()
+
+    def rows(self, ids):
+        return dequantize(self.int8_weight()[ids], self.scales[ids])
 
     def fbgemm_bytes(self) -> int:
-        """fbgemm keeps its own copy of the int8 weights (plus an int32 offset per channel); qweight stays
-        for rows() and devices without fbgemm."""
-        return 0 if self.fbgemm is None else self.qweight.numel() + 4 * self.out_features
+        """fbgemm's int8 matrix and its int32 offset per channel (buffers do not hold them)."""
+        return 0 if self.fbgemm is None else self.out_features * (self.in_features + 4)
 
     def _apply(self, fn, recurse=True):
         if self.fbgemm is not None and fn(torch.zeros(0)).device.type != "cpu":
-            self.fbgemm = None  # fbgemm's packed weights are CPU-only; qweight and scales serve elsewhere
+            self.qweight = self.int8_weight()  # fbgemm's packed weights are CPU-only: the int8 matrix comes back
+            self.fbgemm = None
         return super()._apply(fn, recurse)
 
     def cpu_op(self) -> str:

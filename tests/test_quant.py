@@ -67,6 +67,7 @@ from speculators.quant import (
     quantize,
     round_activations,
     round_to_nearest_int4,
+    weight_bytes,
 )
 from speculators.target import FrozenTarget, TargetConfig
 
@@ -89,6 +90,8 @@ def linear(N: int, K: int, bias: bool = True, seed: int = 0) -> nn.Linear:
 
 def stored(module: QuantizedLinear):
     """(qweight, scales, zeros, group_size) in kernels.quant_matmul's format; fp8 as its dequantized fp32."""
+    if isinstance(module, DynamicInt8Linear):
+        return module.int8_weight(), module.scales, None, None
     if isinstance(module, WeightOnlyInt8Linear):
         return module.qweight, module.scales, None, None
     if isinstance(module, WeightOnlyFp8Linear):
@@ -355,7 +358,7 @@ def test_interpreted_w8a8_rounds_activations_then_runs_the_kernel():
     layer = linear(48, 64)
     module = DynamicInt8Linear(layer.weight, layer.bias)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
-    expected = quant_matmul_reference(round_activations(x), module.qweight, module.scales) + layer.bias
+    expected = quant_matmul_reference(round_activations(x), module.int8_weight(), module.scales) + layer.bias
     torch.testing.assert_close(module(x), expected, **TOL)
 
 
@@ -376,11 +379,21 @@ def test_w8a8_fbgemm_matches_the_torch_reference(N, K, group):
     module = DynamicInt8Linear(layer.weight, layer.bias)
     assert module.cpu_op().startswith("quantized.linear_dynamic") != kernels.INTERPRET
     x = outlier_rows(7, K)
-    expected = quant_matmul_reference(round_activations(x), module.qweight, module.scales) + layer.bias
+    expected = quant_matmul_reference(round_activations(x), module.int8_weight(), module.scales) + layer.bias
     y = module(x)
     assert ((y - expected).norm(dim=1) / expected.norm(dim=1)).max() < 1e-5
     drift = float((y - layer(x)).norm() / layer(x).norm())
     assert 0 < drift < 0.03, drift  # 8-bit weights and 7-bit activations against fp32
+
+
+@pytest.mark.skipif(not FBGEMM, reason="this CPU build has no fbgemm")
+def test_w8a8_keeps_one_int8_matrix_and_brings_it_back_off_the_cpu():
+    layer = linear(48, 64)
+    module, weight_only = DynamicInt8Linear(layer.weight, layer.bias), WeightOnlyInt8Linear(layer.weight, layer.bias)
+    assert module.qweight is None and torch.equal(module.int8_weight(), weight_only.qweight)
+    assert weight_bytes(module) == weight_bytes(weight_only) + 4 * 48  # + fbgemm's int32 offset per channel
+    moved = module.to("meta")  # leaving the CPU drops fbgemm's copy for the plain int8 matrix
+    assert moved.fbgemm is None and moved.qweight.shape == (48, 64) and moved.qweight.dtype == torch.int8
 
 
 @pytest.mark.parametrize("M", [2, 6, 33])
