@@ -48,6 +48,20 @@ void split_and_sum(const float* x, int64_t M, int64_t K, int64_t group_size, flo
   }
 }
 
+// sum_g (z[g] - 8 s[g]) x_sums[g], eight groups at a time.
+float zero_point_term(const float* s, const float* z, const float* x_sums, int64_t groups) {
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    const __m256 offset = _mm256_fnmadd_ps(eight, _mm256_loadu_ps(s + g), _mm256_loadu_ps(z + g));
+    acc = _mm256_fmadd_ps(offset, _mm256_loadu_ps(x_sums + g), acc);
+  }
+  float total = horizontal_sum(acc);
+  for (; g < groups; ++g) total += (z[g] - 8.0f * s[g]) * x_sums[g];
+  return total;
+}
+
 // Per group g: sum_k x[k] W[n, k] = s (sum_k x[k] q[k]) + (z - 8 s) (sum_k x[k]), so the inner loop
 // multiplies x by the raw levels q and the scale is applied once per group; x_sums [M, K/g] holds
 // the second sum.
@@ -76,9 +90,7 @@ void int4_rows(const float* x, const float* x_sums, int64_t K, const uint8_t* q,
     for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(dot[r][0], dot[r][1]), scale, acc[r]);
   }
   for (int r = 0; r < ROWS; ++r) {  // after the loop: its registers are all taken
-    float offset = 0;
-    for (int64_t g = 0; g < groups; ++g) offset += (z[g] - 8.0f * s[g]) * x_sums[r * groups + g];
-    out[r * out_stride] = horizontal_sum(acc[r]) + offset;
+    out[r * out_stride] = horizontal_sum(acc[r]) + zero_point_term(s, z, x_sums + r * groups, groups);
   }
 }
 

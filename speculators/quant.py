@@ -26,7 +26,7 @@ says so; else on the CPU by `cpu_matmul`:
   inference.quant_bench.
 fp8 always dequantizes (PyTorch has no weight-only fp8 CPU operator).
 w8a8 on the CPU always runs fbgemm's dynamic int8 operator (quantized::linear_dynamic, its reason to exist:
-2.90x fp32 decoding on a 369M model here, inference/results/quant_bench_370m_kernel.json), elsewhere (GPUs, CPUs without fbgemm)
+2.99x fp32 decoding on a 369M model here, inference/results/quant_bench_370m_kernel.json), elsewhere (GPUs, CPUs without fbgemm)
 the same math in torch: activations rounded as above, then kernels.quant_matmul. fbgemm picks one
 activation scale for the whole batch; dividing each row by its own a[m] and appending one pinning row
 [1, -1, 0, ...] fixes that scale at 2/127 (and its zero point), so a row's result never depends on
