@@ -16,6 +16,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <vector>
+
 namespace {
 
 constexpr int kStep = 16;  // weights converted per inner step
@@ -120,23 +122,35 @@ void over_row_tiles(int64_t M, Fn&& fn) {
   }
 }
 
-void check(const at::Tensor& x, const at::Tensor& q, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && !x.is_cuda(), "x: fp32 [M, K] on the CPU");
-  TORCH_CHECK(x.size(1) == K && K % kStep == 0, "K must match the weight and be a multiple of ", kStep);
+// x [..., K] as fp32 [M, K] rows; checks what the kernels would otherwise misread.
+at::Tensor rows_of(const at::Tensor& x, const at::Tensor& q, int64_t K) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "x: fp32 on the CPU");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K && K % kStep == 0, "x has ", x.size(-1), " features; the weight has K=", K,
+              " (a multiple of ", kStep, " here)");
   TORCH_CHECK(q.is_contiguous(), "the weight must be contiguous");
+  return x.reshape({-1, K}).contiguous();
+}
+
+// [M, N] -> x's leading dimensions, then N.
+at::Tensor shaped_like(const at::Tensor& out, const at::Tensor& x) {
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end() - 1);
+  sizes.push_back(out.size(1));
+  return out.view(sizes);
 }
 
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size) {
-  const int64_t N = packed.size(0), K = packed.size(1) * 2, M = x.size(0);
-  check(x, packed, K);
-  TORCH_CHECK(group_size % kStep == 0 && K % group_size == 0, "group_size must divide K and be a multiple of ", kStep);
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  const at::Tensor xc = rows_of(x, packed, K);
+  const int64_t M = xc.size(0);
+  TORCH_CHECK(group_size > 0 && group_size % kStep == 0 && K % group_size == 0,
+              "group_size must divide K and be a multiple of ", kStep);
   const int64_t groups = K / group_size;
   TORCH_CHECK(scales.numel() == N * groups && zeros.numel() == N * groups, "scales and zeros: [N, K / group_size]");
-  const at::Tensor xc = x.contiguous(), s = scales.contiguous(), z = zeros.contiguous();
-  at::Tensor split = at::empty({M, K}, x.options()), sums = at::empty({M, groups}, x.options());
+  const at::Tensor s = scales.to(at::kFloat).contiguous(), z = zeros.to(at::kFloat).contiguous();
+  at::Tensor split = at::empty({M, K}, xc.options()), sums = at::empty({M, groups}, xc.options());
   split_and_sum(xc.data_ptr<float>(), M, K, group_size, split.data_ptr<float>(), sums.data_ptr<float>());
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, xc.options());
   const float *xp = split.data_ptr<float>(), *xsp = sums.data_ptr<float>();
   const uint8_t* qp = packed.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *zp = z.data_ptr<float>();
@@ -149,15 +163,16 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
       });
     }
   });
-  return out;
+  return shaped_like(out, x);
 }
 
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
-  const int64_t N = qweight.size(0), K = qweight.size(1), M = x.size(0);
-  check(x, qweight, K);
+  const int64_t N = qweight.size(0), K = qweight.size(1);
+  const at::Tensor xc = rows_of(x, qweight, K);
+  const int64_t M = xc.size(0);
   TORCH_CHECK(scales.numel() == N, "scales: [N]");
-  const at::Tensor xc = x.contiguous(), s = scales.contiguous();
-  at::Tensor out = at::empty({M, N}, x.options());
+  const at::Tensor s = scales.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const int8_t* qp = qweight.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
@@ -169,7 +184,7 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& qweight, const at:
       });
     }
   });
-  return out;
+  return shaped_like(out, x);
 }
 
 }  // namespace

@@ -315,14 +315,18 @@ def test_a_target_quantized_by_another_library_is_refused(llama_target):
     assert quantize(model, QuantConfig()) is model  # scheme none leaves it as it is
 
 
-def test_kernel_rejects_inconsistent_inputs():
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_kernel_rejects_inconsistent_inputs(impl):
+    if impl == "cpu" and (kernels.INTERPRET or cpu_ops() is None):
+        pytest.skip("the CPU kernel needs AVX2 and a C++ compiler (and no TRITON_INTERPRET)")
+    matmul = quant_matmul_reference if impl == "reference" else quant_matmul_cpu
     q = torch.zeros(4, 8, dtype=torch.uint8)
     with pytest.raises(ValueError, match="group_size dividing K"):
-        quant_matmul_reference(torch.zeros(1, 16), q, torch.ones(4, 1), torch.zeros(4, 1), 5)
+        matmul(torch.zeros(1, 16), q, torch.ones(4, 1), torch.zeros(4, 1), 5)
     with pytest.raises(ValueError, match=r"must be \[N, K/group_size\] = \[4, 2\]"):
-        quant_matmul_reference(torch.zeros(1, 16), q, torch.ones(4, 1), torch.zeros(4, 1), 8)
+        matmul(torch.zeros(1, 16), q, torch.ones(4, 1), torch.zeros(4, 1), 8)
     with pytest.raises(ValueError, match="x has 15 features but the weight has K=16"):
-        quant_matmul_reference(torch.zeros(1, 15), q, torch.ones(4, 2), torch.zeros(4, 2), 8)
+        matmul(torch.zeros(1, 15), q, torch.ones(4, 2), torch.zeros(4, 2), 8)
 
 
 # --- 5. the Triton kernel in the interpreter ---------------------------------------------------
