@@ -33,7 +33,8 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
         "trainer.progress_bar=false", "trainer.log_every_n_steps=2",
     ], cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"^step 2/3  loss \d+\.\d{4}  \d+\.\d\d s/step  \d+ min left$", result.stdout, re.M)  # no bar: lines
+    assert re.search(r"^step 2/3  .*train/loss \d+\.\d{4}.*  \d+\.\d\d s/step  \d+ min left$", result.stdout, re.M)  # no bar
+    assert re.search(r"^validation at step 3: .*val/loss \d+\.\d{4}", result.stdout, re.M)
 
     export_dir = run_dir / "export"
     assert f"export: {export_dir}" in result.stdout

@@ -8,7 +8,8 @@ CheckpointOnSignal: SIGTERM (pre-emption) or a first Ctrl-C ends training at the
 boundary and writes checkpoints/last.ckpt, so `resume=<run dir>` loses nothing.
 
 ProgressLines: with trainer.progress_bar=false (logs of batch jobs, where a bar's carriage
-returns pile up), one line every log_every_n_steps: step, loss, seconds per step, time left.
+returns pile up), one line every log_every_n_steps: step, the metrics a bar would show, seconds
+per step, time left; and one line of validation metrics after each validation.
 
 TrainingRandomState: the random streams training steps draw from travel in the checkpoint, so
 a resumed run draws the same noise and dropout masks as an uninterrupted one.
@@ -127,6 +128,14 @@ class ProgressLines(L.Callback):
             return
         per_step = (time.perf_counter() - self.since[0]) / (step - self.since[1])
         left = per_step * (trainer.max_steps - step)
-        loss = float(outputs["loss"]) if isinstance(outputs, dict) else float("nan")
-        print(f"step {step}/{trainer.max_steps}  loss {loss:.4f}  {per_step:.2f} s/step  {left / 60:.0f} min left",
-              flush=True)
+        logged = metrics_line(trainer, "train/")  # the latest of each: train/loss, train/unlikelihood, ...
+        print(f"step {step}/{trainer.max_steps}  {logged}  {per_step:.2f} s/step  {left / 60:.0f} min left", flush=True)
+
+    def on_validation_end(self, trainer, module) -> None:
+        if trainer.is_global_zero and not trainer.sanity_checking and trainer.state.fn == "fit":  # not trainer.validate()
+            print(f"validation at step {trainer.global_step}: {metrics_line(trainer, 'val/')}", flush=True)
+
+
+def metrics_line(trainer, prefix: str) -> str:
+    metrics = sorted((k, v) for k, v in trainer.progress_bar_metrics.items() if k.startswith(prefix))
+    return "  ".join(f"{name} {float(value):.4f}" for name, value in metrics)
