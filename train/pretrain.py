@@ -51,6 +51,26 @@ class ModelConfig:
                 self.num_key_value_heads, f"a divisor of model.num_attention_heads ({self.num_attention_heads})")
 
 
+@dataclass
+class UnlikelihoodConfig:
+    """Sequence-level unlikelihood training (Welleck et al., 2020, "Neural Text Generation with
+    Unlikelihood Training"). Greedy decoding of a small LM falls into loops ("import sys" forever);
+    every `every_n_steps`-th step the model instead continues the first `prefix_len` tokens of its
+    batch greedily for `continuation_len` tokens and is penalised, -log(1 - p), for each token of
+    its continuation inside an n-gram that already occurred in it. The other steps keep the
+    next-token loss, which holds the distribution in place."""
+
+    every_n_steps: int = 0  # 0: plain pretraining; 2: every other step is an unlikelihood step
+    prefix_len: int = 50
+    continuation_len: int = 100  # also the length of the validation's greedy continuations
+    ngram: int = 4
+
+    def __post_init__(self):
+        at_least(0, unlikelihood__every_n_steps=self.every_n_steps)
+        at_least(1, unlikelihood__prefix_len=self.prefix_len, unlikelihood__continuation_len=self.continuation_len)
+        at_least(2, unlikelihood__ngram=self.ngram)
+
+
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE (every byte string encodes; no unknown token) with EOS as its one special."""
     tok = Tokenizer(models.BPE())
@@ -70,6 +90,36 @@ def token_byte_lengths(tokenizer) -> torch.Tensor:
     return lengths
 
 
+def repeated_ngram_mask(tokens: torch.Tensor, n: int, start: int) -> torch.Tensor:
+    """[batch, length] bool: True at positions >= `start` inside an n-gram that already occurred
+    earlier in its row (the row's tokens before `start` count as earlier)."""
+    mask = torch.zeros_like(tokens, dtype=torch.bool)
+    for row, row_mask in zip(tokens.tolist(), mask):
+        seen = set()
+        for end in range(n, len(row) + 1):
+            gram = tuple(row[end - n:end])
+            if gram in seen:
+                row_mask[max(end - n, start):end] = True
+            seen.add(gram)
+    return mask
+
+
+def greedy_continuations(model, prefixes: torch.Tensor, length: int) -> torch.Tensor:
+    """prefixes [batch, p] -> [batch, p + length]; EOS is suppressed so every row has `length` new tokens."""
+    ones = torch.ones_like(prefixes)
+    return model.generate(input_ids=prefixes, attention_mask=ones, max_new_tokens=length, min_new_tokens=length,
+                          do_sample=False, pad_token_id=model.config.pad_token_id)
+
+
+def unlikelihood_of_repeats(model, sequences: torch.Tensor, prefix_len: int, n: int) -> torch.Tensor:
+    """-log(1 - p) summed over the continuation tokens inside repeated n-grams, per continuation token
+    (so the penalty fades as the repetition does)."""
+    repeated = repeated_ngram_mask(sequences, n, prefix_len)[:, prefix_len:]
+    logits = model(input_ids=sequences).logits[:, prefix_len - 1:-1].float()
+    p = logits.softmax(-1).gather(-1, sequences[:, prefix_len:, None]).squeeze(-1)
+    return -(torch.log1p(-p.clamp(max=1 - 1e-5)) * repeated).sum() / repeated.numel()
+
+
 def loss_in_bits_per_byte(model, rows: torch.Tensor, byte_lengths: torch.Tensor, batch_size: int = 8) -> tuple[float, float]:
     """(nats per token, bits per byte of source text) of `model` over packed `rows`."""
     nats, tokens, nbytes = 0.0, 0, 0.0
@@ -86,25 +136,41 @@ def loss_in_bits_per_byte(model, rows: torch.Tensor, byte_lengths: torch.Tensor,
 class CausalLMModule(L.LightningModule):
     """Next-token pretraining of a transformers causal LM."""
 
-    def __init__(self, model: LlamaForCausalLM, optim: OptimConfig, max_steps: int, byte_lengths: torch.Tensor):
+    def __init__(self, model: LlamaForCausalLM, optim: OptimConfig, max_steps: int, byte_lengths: torch.Tensor,
+                 unlikelihood: UnlikelihoodConfig | None = None):
         super().__init__()
         self.model, self.optim, self.max_steps = model, optim, max_steps
+        self.unlikelihood = unlikelihood or UnlikelihoodConfig()
         self.register_buffer("byte_lengths", byte_lengths.float(), persistent=False)
         self.wall_time_before = 0.0  # seconds spent in earlier (resumed) runs
         self.started = time.time()
 
     def training_step(self, batch, _):
-        loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        every = self.unlikelihood.every_n_steps
+        if every and (self.global_step + 1) % every == 0:
+            name, loss = "train/unlikelihood", self.unlikelihood_loss(batch["input_ids"])
+        else:
+            name, loss = "train/loss", self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
         check_finite(loss, self.global_step + 1, self.trainer.default_root_dir)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log(name, loss, prog_bar=True)
         return loss
 
-    def validation_step(self, batch, _):
+    def unlikelihood_loss(self, ids: torch.Tensor) -> torch.Tensor:
+        cfg = self.unlikelihood
+        sequences = greedy_continuations(self.model, ids[:, : cfg.prefix_len], cfg.continuation_len)
+        return unlikelihood_of_repeats(self.model, sequences, cfg.prefix_len, cfg.ngram)
+
+    def validation_step(self, batch, batch_idx):
         ids = batch["input_ids"]
         loss = self.model(input_ids=ids, labels=ids).loss
         bits_per_byte = loss * (ids.shape[1] - 1) * ids.shape[0] / math.log(2) / self.byte_lengths[ids[:, 1:]].sum()
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/bits_per_byte", bits_per_byte, prog_bar=True)
+        if batch_idx == 0:  # one batch: how much the model repeats itself when it decodes greedily
+            cfg = self.unlikelihood
+            sequences = greedy_continuations(self.model, ids[:, : cfg.prefix_len], cfg.continuation_len)
+            self.log("val/repeated_ngrams", repeated_ngram_mask(sequences, cfg.ngram, cfg.prefix_len)
+                     [:, cfg.prefix_len:].float().mean(), prog_bar=True)
 
     def configure_optimizers(self):
         return configure(list(self.model.parameters()), self.optim, self.max_steps)
@@ -154,7 +220,7 @@ def earlier_training(init_from: str | None) -> dict:
 
 
 def save_target(module: CausalLMModule, tokenizer, files, out: Path, tokens_seen: int, data_cfg,
-                earlier: dict | None = None) -> None:
+                earlier: dict | None = None, how: dict | None = None) -> None:
     """save_pretrained in bf16 (half the bytes on disk; load it in fp32 on CPUs), plus training facts."""
     model = module.model
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -175,6 +241,7 @@ def save_target(module: CausalLMModule, tokenizer, files, out: Path, tokens_seen
         "wall_time_s": round(module.wall_time()) + (earlier.get("wall_time_s", 0) if earlier else 0),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+    facts.update(how or {})  # how this run trained beyond next-token loss (unlikelihood steps)
     if earlier and earlier.get("tokens_seen"):
         facts["continued_from"] = earlier  # the run this one started from, with its own facts
     (out / "training.json").write_text(json.dumps(facts, indent=2))
@@ -189,16 +256,23 @@ def run_pretrain(recipe, run_dir: Path) -> None:
     tokenizer = prepare_tokenizer(run_dir, files, recipe.model.vocab_size, recipe.init_from)
     datamodule = TextDataModule(recipe.data, files, tokenizer, recipe.seed)
     module = CausalLMModule(build_model(recipe.model, tokenizer, recipe.init_from), recipe.optim, recipe.trainer.max_steps,
-                            token_byte_lengths(tokenizer))
-    trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, asdict(recipe)), run_dir,
-                           monitor="val/loss")
+                            token_byte_lengths(tokenizer), recipe.unlikelihood)
+    # Unlikelihood steps trade a little validation loss for less repetition, so its runs ship their last weights.
+    monitor = None if recipe.unlikelihood.every_n_steps else "val/loss"
+    trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, asdict(recipe)), run_dir, monitor=monitor)
     fit(trainer, module, datamodule, recipe.resume)
     steps = trainer.global_step
-    best = next(c.best_model_path for c in trainer.checkpoint_callbacks if c.monitor)
+    best = next((c.best_model_path for c in trainer.checkpoint_callbacks if c.monitor), None)
     if best:  # ship the checkpoint with the lowest validation loss, not merely the last
         checkpoint = torch.load(best, map_location="cpu", weights_only=True)
         module.load_state_dict(checkpoint["state_dict"])
         steps = checkpoint["global_step"]
-    tokens_seen = steps * recipe.trainer.accumulate_grad_batches * recipe.data.batch_size * recipe.data.seq_len
-    save_target(module, tokenizer, files, run_dir / "model", tokens_seen, recipe.data, earlier_training(recipe.init_from))
+    every = recipe.unlikelihood.every_n_steps
+    unlikelihood_steps = steps // every if every else 0
+    tokens_seen = ((steps - unlikelihood_steps) * recipe.trainer.accumulate_grad_batches * recipe.data.batch_size
+                   * recipe.data.seq_len)  # next-token steps only: an unlikelihood step reads a prefix, not a row
+    how = {"unlikelihood": {**asdict(recipe.unlikelihood), "steps": unlikelihood_steps,
+                            "next_token_steps": steps - unlikelihood_steps}} if unlikelihood_steps else {}
+    save_target(module, tokenizer, files, run_dir / "model", tokens_seen, recipe.data, earlier_training(recipe.init_from),
+                how)
     print(f"target saved to {run_dir / 'model'}; measure it with: python -m train.target_card {run_dir / 'model'}")

@@ -26,7 +26,7 @@ from speculators.target import TargetConfig
 from train.callbacks import CheckpointOnSignal, ProgressLines, ServeEvalConfig, TrainingRandomState
 from train.data import DataConfig
 from train.optim import OptimConfig
-from train.pretrain import ModelConfig
+from train.pretrain import ModelConfig, UnlikelihoodConfig
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps", "tpu")
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
@@ -102,6 +102,7 @@ class PretrainRecipe(RunKeys):
     logger: LoggerConfig
     optim: OptimConfig
     model: ModelConfig
+    unlikelihood: UnlikelihoodConfig
 
 
 @dataclass
