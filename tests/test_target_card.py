@@ -75,8 +75,26 @@ def test_card_and_heldout_written_with_finite_numbers(model_dir, capsys):
     assert "| layers | 2 |" in card and "| key/value heads | 1 |" in card
     assert all(why in card for why in CHOICES.values())
     assert card.count("```python") == 2 * 3  # prompt, greedy and T=0.8 for each of the two samples
-    loops = heldout["greedy_loops"]
-    assert 0 <= loops["looping"] <= loops["files"] > 0 and f"{loops['looping']} of {loops['files']} test files" in card
+    rep = heldout["repetition"]
+    assert 0 <= rep["looping"] <= rep["files"] > 0 and 0 <= rep["sampled_looping"] <= rep["files"]
+    assert 0 <= rep["greedy_rep4"] <= 1 and 0 < rep["source_rep4"] < 1  # real code repeats a little
+    assert f"greedy {rep['looping']} of {rep['files']}" in card
+    assert f"temperature 0.8 {rep['sampled_looping']} of {rep['files']}" in card
+    assert f"greedy {rep['greedy_rep4']:.3f}; the files' own next 120 tokens {rep['source_rep4']:.3f}" in card
+
+
+def test_card_names_every_run_of_a_chain():
+    """Three runs, the last with unlikelihood steps: each later training.json nests the one before."""
+    first = {"tokens_seen": 1000, "wall_time_s": 3600}
+    second = {"tokens_seen": 1500, "wall_time_s": 5400, "continued_from": first}
+    unlikelihood = {"every_n_steps": 2, "prefix_len": 50, "continuation_len": 100, "ngram": 4, "steps": 40,
+                    "next_token_steps": 40}
+    third = {"tokens_seen": 1800, "wall_time_s": 7200, "continued_from": second, "unlikelihood": unlikelihood}
+    assert target_card.training_runs(third) == [first, second, third]
+    text = target_card.describe_runs(target_card.training_runs(third))
+    assert text.startswith("in 3 runs: 1,000 tokens from scratch (1.00 h), then 500 more continuing that model (0.50 h), "
+                           "then 300 more continuing that model (0.50 h), plus 40 sequence-level unlikelihood steps")
+    assert "repeated 4-grams" in text
 
 
 def test_changed_corpus_is_warned_about(model_dir, tmp_path, capsys):
@@ -119,6 +137,15 @@ def test_folder_that_is_not_a_model_is_one_line_exit_2(broken, model_dir, tmp_pa
     assert target_card.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0]
+
+
+@pytest.mark.parametrize("tokens, share", [
+    ([1, 2, 3, 4, 5], 0.0),            # two 4-grams, both new
+    ([7] * 6, 2 / 3),                  # three 4-grams, all (7, 7, 7, 7)
+    ([1, 2, 3, 4, 1, 2, 3, 4], 0.2),   # five 4-grams, the last one a repeat of the first
+])
+def test_repeated_4gram_share(tokens, share):
+    assert target_card.repeated_4gram_share(tokens) == pytest.approx(share)
 
 
 @pytest.mark.parametrize("tokens, loops", [

@@ -165,20 +165,61 @@ def falls_into_a_loop(tokens: list[int], tail: int = LOOP_TAIL, max_period: int 
     return len(end) == tail and any(all(end[i] == end[i - p] for i in range(p, tail)) for p in range(1, max_period + 1))
 
 
-def greedy_loop_rate(model, tokenizer, test_files) -> dict:
-    """How many greedy continuations of test files' openings end repeating one phrase."""
+def repeated_4gram_share(tokens: list[int]) -> float:
+    """seq-rep-4 (Welleck et al., 2020): the share of a text's 4-grams that already occurred in it."""
+    grams = [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def repetition(model, tokenizer, test_files) -> dict:
+    """How much continuations of test files' openings repeat themselves: how many end looping one
+    phrase (greedy, and sampled at the card's temperature, seeded per file as the samples are), and
+    the mean seq-rep-4 of the greedy ones beside that of the files' own next NEW_TOKENS tokens."""
     import torch
     from tqdm import tqdm
 
-    prompts = [("".join(t.splitlines(keepends=True)[:PROMPT_LINES])) for t in test_files["text"]
-               if len(t.splitlines()) > PROMPT_LINES]
-    looping = 0
-    for prompt in tqdm(prompts, desc="greedy loops", unit="file"):
+    texts = [t for t in test_files["text"] if len(t.splitlines()) > PROMPT_LINES]
+    found = {"files": len(texts), "looping": 0, "sampled_looping": 0, "greedy_rep4": 0.0, "source_rep4": 0.0}
+    for text in tqdm(texts, desc="repetition", unit="file"):
+        prompt = "".join(text.splitlines(keepends=True)[:PROMPT_LINES])
         inputs = tokenizer(prompt, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        looping += falls_into_a_loop(out[0, inputs["input_ids"].shape[1]:].tolist())
-    return {"files": len(prompts), "looping": looping}
+        for key, how in (("looping", dict(do_sample=False)),
+                         ("sampled_looping", dict(do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0))):
+            torch.manual_seed(SEED)
+            with torch.no_grad():
+                out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.pad_token_id, **how)
+            continuation = out[0, inputs["input_ids"].shape[1]:].tolist()
+            found[key] += falls_into_a_loop(continuation)
+            if key == "looping":
+                found["greedy_rep4"] += repeated_4gram_share(continuation) / len(texts)
+        source = tokenizer(text[len(prompt):])["input_ids"][:NEW_TOKENS]
+        found["source_rep4"] += repeated_4gram_share(source) / len(texts)
+    return found
+
+
+def training_runs(facts: dict) -> list[dict]:
+    """The runs that made the model, first to last: each init_from= run nests the facts of the one before."""
+    runs = [facts]
+    while runs[0].get("continued_from"):
+        runs.insert(0, runs[0]["continued_from"])
+    return runs
+
+
+def describe_runs(runs: list[dict]) -> str:
+    """'in 3 runs: 7,168,000 tokens from scratch (1.97 h), then ... more continuing that model (`init_from=`)'."""
+    parts, before = [], {"tokens_seen": 0, "wall_time_s": 0}
+    for i, run in enumerate(runs):
+        tokens, hours = run["tokens_seen"] - before["tokens_seen"], (run["wall_time_s"] - before["wall_time_s"]) / 3600
+        text = f"{tokens:,} tokens from scratch" if i == 0 else f"then {tokens:,} more continuing that model"
+        text += f" ({hours:.2f} h)"
+        ul = run.get("unlikelihood")
+        if ul:
+            text += (f", plus {ul['steps']:,} sequence-level unlikelihood steps (one step in {ul['every_n_steps']}: the "
+                     f"model's greedy continuations of {ul['continuation_len']} tokens after {ul['prefix_len']}-token "
+                     f"prefixes, its tokens inside repeated {ul['ngram']}-grams penalised)")
+        parts.append(text)
+        before = run
+    return f"in {len(runs)} runs: " + ", ".join(parts) + " (each later run `init_from=` the one before)"
 
 
 def fenced(code: str, lang: str = "python") -> str:
@@ -240,10 +281,9 @@ def render_card(model_dir: Path, model, facts: dict, heldout: dict, samples: lis
         f"- wall time: {facts['wall_time_s'] / 3600:.2f} h ({facts['wall_time_s']:,} s)",
         f"- sequence length: {facts['seq_len']}",
     ]
-    earlier = facts.get("continued_from")
-    if earlier:  # init_from=: the totals above add up both runs
-        lines.append(f"- in two runs: {earlier['tokens_seen']:,} tokens from scratch ({earlier['wall_time_s'] / 3600:.2f} h), "
-                     f"then {facts['tokens_seen'] - earlier['tokens_seen']:,} more continuing that model (`init_from=`)")
+    runs = training_runs(facts)
+    if len(runs) > 1:  # init_from=: the totals above add up every run
+        lines.append(f"- {describe_runs(runs)}")
     choices = facts.get("choices")
     if choices:
         lines += ["", "Design choices:", ""]
@@ -261,11 +301,15 @@ def render_card(model_dir: Path, model, facts: dict, heldout: dict, samples: lis
         f"- {heldout['tokens_evaluated']:,} tokens evaluated: {scope}",
         f"- measured with Python {heldout['python']}; reproduce with `{heldout['command']}`",
     ]
-    loops = heldout.get("greedy_loops")
-    if loops:
-        lines += [f"- greedy continuations that end looping one phrase: {loops['looping']} of {loops['files']} test files "
-                  f"(the first {PROMPT_LINES} lines of each, {NEW_TOKENS} new tokens; looping = the last {LOOP_TAIL} tokens "
-                  f"repeat a phrase of at most {LOOP_MAX_PERIOD})"]
+    rep = heldout.get("repetition")
+    if rep:
+        lines += [f"- continuations that end looping one phrase, of {rep['files']} test files (the first {PROMPT_LINES} "
+                  f"lines of each, {NEW_TOKENS} new tokens; looping = the last {LOOP_TAIL} tokens repeat a phrase of at "
+                  f"most {LOOP_MAX_PERIOD}): greedy {rep['looping']} of {rep['files']}, "
+                  f"sampled at temperature {TEMPERATURE} {rep['sampled_looping']} of {rep['files']}",
+                  f"- repeated 4-grams (seq-rep-4: the share of a continuation's 4-grams that already occurred in it, mean "
+                  f"over those files): greedy {rep['greedy_rep4']:.3f}; the files' own next {NEW_TOKENS} tokens "
+                  f"{rep['source_rep4']:.3f}"]
     if warning:
         lines += ["", f"**Warning:** {warning}."]
     if samples:
@@ -293,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                    python=platform.python_version(),
                    command=shlex.join(["python", "-m", "train.target_card", *argv]))
     samples = generate_samples(model, tokenizer, files["test"], args.samples)
-    heldout["greedy_loops"] = greedy_loop_rate(model, tokenizer, files["test"])
+    heldout["repetition"] = repetition(model, tokenizer, files["test"])
     (args.model_dir / "heldout.json").write_text(json.dumps(heldout, indent=2) + "\n")
     (args.model_dir / "README.md").write_text(render_card(args.model_dir, model, facts, heldout, samples, warning))
     print(f"held-out nats/token: {heldout['nats_per_token']:.4f}")
