@@ -1,5 +1,5 @@
 """The shipped default target (models/pycode): it loads from the repo, keeps its card's
-held-out loss, and the default recipe trains and exports a drafter for it."""
+held-out loss and loop counts, and the default recipe trains and exports a drafter for it."""
 
 import json
 import subprocess
@@ -13,10 +13,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from speculators.corpus import stdlib_files
 from train.data import pack
 from train.pretrain import loss_in_bits_per_byte, token_byte_lengths
+from train.target_card import repetition
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "pycode"
 MARGIN_BITS_PER_BYTE = 0.15  # a few sequences scatter around the whole split's figure
+LOOP_MARGIN = 2
 
 
 def test_shipped_target_keeps_its_heldout_loss():
@@ -27,6 +29,18 @@ def test_shipped_target_keeps_its_heldout_loss():
     rows = pack(stdlib_files(None, facts["corpus"]["include_tests"])["test"], tokenizer, facts["seq_len"])
     _, bits_per_byte = loss_in_bits_per_byte(model, rows[:8], token_byte_lengths(tokenizer))
     assert bits_per_byte < card["bits_per_byte"] + MARGIN_BITS_PER_BYTE
+
+
+def test_shipped_target_loops_no_more_than_its_card_says():
+    """The card's loop counts (greedy and T=0.8 continuations of held-out files' openings) hold."""
+    card = json.loads((MODEL / "heldout.json").read_text())["repetition"]
+    facts = json.loads((MODEL / "training.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    measured = repetition(model, AutoTokenizer.from_pretrained(MODEL), stdlib_files(None, facts["corpus"]["include_tests"])["test"])
+    assert measured["files"] == card["files"]
+    # one or two near-ties may break the other way on another CPU's arithmetic
+    assert measured["looping"] <= card["looping"] + LOOP_MARGIN
+    assert measured["sampled_looping"] <= card["sampled_looping"] + LOOP_MARGIN
 
 
 def test_default_recipe_trains_and_exports_for_the_shipped_target(tmp_path):
