@@ -30,10 +30,10 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
         f"target.name_or_path={llama_dir}", f"target.layer_ids={layer_ids}", f"drafter.draft_vocab_size={DRAFT}",
         "drafter.ttt_steps=3", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
         "trainer.val_every_n_steps=3", "trainer.checkpoint_every_n_steps=3", "trainer.num_threads=1",
-        "trainer.progress_bar=false", "trainer.log_every_n_steps=2",
+        "trainer.log_every_n_steps=2",  # the default progress_bar=true, but output goes to a pipe: lines, no bar
     ], cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"^step 2/3  .*train/loss \d+\.\d{4}.*  \d+\.\d\d s/step  \d+ min left$", result.stdout, re.M)  # no bar
+    assert re.search(r"^step 2/3  .*train/loss \d+\.\d{4}.*  \d+\.\d\d s/step  \d+ min left$", result.stdout, re.M)
     assert re.search(r"^validation at step 3: .*val/loss \d+\.\d{4}", result.stdout, re.M)
 
     export_dir = run_dir / "export"
@@ -93,3 +93,18 @@ def test_bad_value_is_a_one_line_error(tmp_path):
                        timeout=300)
     last = assert_one_line_error(result)
     assert "trainer.max_steps" in last and "abc" in last
+
+
+def test_progress_bar_on_a_terminal_lines_otherwise(tmp_path, monkeypatch):
+    from train.callbacks import ProgressLines
+    from train.run import TrainerConfig, make_trainer
+
+    def progress(progress_bar: bool, terminal: bool) -> tuple[bool, bool]:
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+        trainer = make_trainer(TrainerConfig(progress_bar=progress_bar), False, tmp_path)
+        lines = any(isinstance(c, ProgressLines) for c in trainer.callbacks)
+        return trainer.progress_bar_callback is not None, lines
+
+    assert progress(True, terminal=True) == (True, False)
+    assert progress(True, terminal=False) == (False, True)
+    assert progress(False, terminal=True) == (False, True)

@@ -51,7 +51,8 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     val_every_n_steps: int = 100
     checkpoint_every_n_steps: int = 100
-    progress_bar: bool = True  # false: a line every log_every_n_steps instead (step, loss, s/step, time left)
+    progress_bar: bool = True  # a bar on a terminal; false, or output to a file: a line every log_every_n_steps
+    # (step, loss, s/step, time left) instead, since a redirected bar shows nothing until it ends
 
     def __post_init__(self):
         one_of("trainer.accelerator", self.accelerator, ACCELERATORS)
@@ -218,7 +219,8 @@ def make_trainer(cfg: TrainerConfig, logger, run_dir: Path, extra_callbacks=(), 
     callbacks = [*checkpoints, CheckpointOnSignal(), TrainingRandomState(), *extra_callbacks]
     if logger:
         callbacks.append(LearningRateMonitor("step"))
-    if not cfg.progress_bar:
+    bar = cfg.progress_bar and sys.stderr.isatty()
+    if not bar:
         callbacks.append(ProgressLines(cfg.log_every_n_steps))
     try:
         return L.Trainer(
@@ -227,7 +229,7 @@ def make_trainer(cfg: TrainerConfig, logger, run_dir: Path, extra_callbacks=(), 
             accumulate_grad_batches=cfg.accumulate_grad_batches, gradient_clip_val=cfg.gradient_clip_val,
             log_every_n_steps=cfg.log_every_n_steps, val_check_interval=cfg.val_every_n_steps,
             check_val_every_n_epoch=None, logger=logger, callbacks=callbacks, default_root_dir=run_dir,
-            enable_progress_bar=cfg.progress_bar, num_sanity_val_steps=0, plugins=[AtomicCheckpointIO()],
+            enable_progress_bar=bar, num_sanity_val_steps=0, plugins=[AtomicCheckpointIO()],
         )
     except MisconfigurationException as e:  # e.g. trainer.accelerator=cuda on a machine without a GPU
         raise UserError(f"trainer: {str(e).strip().splitlines()[0]}") from None
