@@ -1,5 +1,6 @@
-"""`python -m inference drafter=<export dir> [target=...] [quant=int8|int4|fp8|w8a8] [prompts=...]
-[max_new_tokens=N] [temperature=T] [num_speculative_tokens=K] [out=DIR]`: speculative decoding and its report."""
+"""`python -m inference drafter=<export dir> [target=...] [quant=int8|int4|gguf|...] [eval=mtbench|sharegpt|stdlib]
+[eval.path=prompts.jsonl] [max_new_tokens=N] [temperature=T] [num_speculative_tokens=K] [out=DIR]`: speculative
+decoding and its report."""
 
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from inference import report  # registers the quant group its config uses
+from inference import evalsets, report  # report registers the groups its config uses
 from speculators.config import exit_on_user_error, run_cli, to_dataclass
 
 
@@ -17,7 +18,7 @@ from speculators.config import exit_on_user_error, run_cli, to_dataclass
 def main(cfg: DictConfig) -> None:
     cfg = to_dataclass(report.InferenceConfig, cfg)
     drafter, target = report.load_pair(cfg.drafter, cfg.target, cfg.quant)
-    result = report.measure(target, drafter, report.load_prompts(cfg), cfg)
+    result = report.measure(target, drafter, evalsets.prompts(cfg.eval, target, cfg.max_new_tokens), cfg)
     out_dir = Path(cfg.out or HydraConfig.get().runtime.output_dir)
     path = report.write(result, out_dir)
     report.log_to_wandb(result, cfg.logger, out_dir)

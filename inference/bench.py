@@ -1,12 +1,14 @@
 """Decode-speed benchmark: our speculative decoding against target-only decoding and peers.
 
-    python -m inference.bench drafter=<export dir> [assistant=<small HF model dir>|null] [repeats=3] [out=DIR]
+    python -m inference.bench drafter=<export dir> [assistant=<small HF model dir>|null] [eval=stdlib|mtbench|...]
+        [repeats=3] [out=DIR]
 
-Methods, all greedy, on the same held-out prompts, interleaved prompt by prompt within each
+Methods, all greedy, on the same prompts (eval=, inference/evalsets.py), interleaved prompt by prompt within each
 repeat so every method sees the same machine load; figures are medians over repeats:
 - target_only: our decode loop with K=0 (the speed-up baseline);
 - speculative_chain / speculative_tree: our speculative decoding with the given drafter,
-  K-token chains and (for drafters that have one) tree drafts;
+  K-token chains and (for drafters that have one) tree drafts; K = num_speculative_tokens, or
+  the drafter's own (the depth it was trained for) when null;
 - hf_greedy: transformers' generate (for reference: how fast the stock loop is);
 - hf_prompt_lookup: transformers' prompt-lookup decoding (n-gram drafts from the prompt);
 - hf_assisted: transformers' assisted generation with a small draft model (default: the shipped
@@ -14,7 +16,7 @@ repeat so every method sees the same machine load; figures are medians over repe
 """
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import hydra
@@ -22,8 +24,12 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from inference import rounds
-from speculators.config import at_least, exit_on_user_error, require, run_cli, to_dataclass
+from inference import evalsets, rounds
+from inference.drafting import speculative_tokens
+from inference.evalsets import EvalConfig
+from speculators.config import at_least, exit_on_user_error, register_group, require, run_cli, to_dataclass
+
+register_group("eval")  # conf/eval/: the eval sets every inference command serves
 
 
 @dataclass
@@ -31,10 +37,9 @@ class BenchConfig:
     drafter: str = "???"
     target: str | None = None
     assistant: str | None = None  # a small causal LM with the target's tokenizer, for assisted generation; null: skip
-    num_prompts: int = 8
-    prompt_lines: int = 6
+    eval: EvalConfig = field(default_factory=EvalConfig)  # the prompts: eval=stdlib | mtbench | sharegpt | file
     max_new_tokens: int = 64
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int | None = None  # K; None: the drafter's own
     modes: list[str] | None = None  # drafting modes to run (chain, tree); None: every mode the drafter has
     tree_top_k: int = 4  # as in inference.drafting.DraftingConfig
     tree_total_tokens: int = 16
@@ -43,13 +48,14 @@ class BenchConfig:
     out: str | None = None
 
     def __post_init__(self):
-        at_least(1, num_prompts=self.num_prompts, prompt_lines=self.prompt_lines, max_new_tokens=self.max_new_tokens,
-                 num_speculative_tokens=self.num_speculative_tokens, prompt_lookup_tokens=self.prompt_lookup_tokens,
+        require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 1, "num_speculative_tokens",
+                self.num_speculative_tokens, ">= 1, or null for the drafter's own")
+        at_least(1, max_new_tokens=self.max_new_tokens, prompt_lookup_tokens=self.prompt_lookup_tokens,
                  repeats=self.repeats)
 
 
 def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
-    """name -> function(prompt ids) -> generated ids."""
+    """name -> function(prompt ids) -> generated ids (cfg.num_speculative_tokens set: run() resolves it)."""
     from inference import drafting
     from inference.engine import generate
 
@@ -77,12 +83,15 @@ def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
 
 
 def run(target, drafter, assistant, prompts: list[list[int]], cfg: BenchConfig) -> dict:
+    """name -> figures; the speculative methods also say the K they drafted (null in cfg: the drafter's own)."""
+    cfg = replace(cfg, num_speculative_tokens=speculative_tokens(drafter, cfg.num_speculative_tokens))
     timed = rounds.interleaved(methods(target, drafter, assistant, cfg), prompts, cfg.repeats)
     base = timed["target_only"].median_tokens_per_s()
     return {name: {"tokens_per_second": t.median_tokens_per_s(), "seconds": t.seconds, "tokens": t.tokens,
                    "speedup": t.median_tokens_per_s() / base,
                    # every method here is greedy: each must reproduce target-only greedy output
                    "outputs_match_target_only": t.results == timed["target_only"].results}
+            | ({"num_speculative_tokens": cfg.num_speculative_tokens} if name.startswith("speculative_") else {})
             for name, t in timed.items()}
 
 
@@ -114,7 +123,7 @@ def main(cfg: DictConfig) -> None:
     cfg = to_dataclass(BenchConfig, cfg)
     drafter, target = report.load_pair(cfg.drafter, cfg.target)
     assistant = load_assistant(cfg.assistant, target)
-    prompts = [target.tokenizer(t)["input_ids"] for t in report.heldout_prompts(cfg.num_prompts, cfg.prompt_lines)]
+    prompts = [p.ids for p in evalsets.prompts(cfg.eval, target, cfg.max_new_tokens)]
     rows = run(target, drafter.eval(), assistant, prompts, cfg)
     result = {"methods": rows, "config": asdict(cfg), "git_revision": report.git_revision(),
               "machine": report.machine()}

@@ -1,9 +1,10 @@
-"""Compare drafters: several exports, one target, the same prompts and K; one table, one plot.
+"""Compare drafters: several exports, one target, the same prompts; one table, one plot.
 
-    python -m inference.compare drafters=[runs/a/export,runs/b/export,...] [modes=[chain,tree]] [out=DIR]
+    python -m inference.compare drafters=[runs/a/export,runs/b/export,...] [modes=[chain,tree]] [eval=...] [out=DIR]
 
 Trains nothing. Every drafter (and each drafting mode it has, among `modes`) decodes the
-same held-out prompts greedily with K = num_speculative_tokens, interleaved with target-only
+same prompts (eval=, inference/evalsets.py) greedily with K = num_speculative_tokens, or each
+drafter's own K (the depth it was trained for) when that is null, interleaved with target-only
 decoding prompt by prompt, for `repeats` rounds; tokens/s is the median over rounds. Per row:
 tau and the acceptance rate per position (vLLM's definitions), tokens/s, speed-up, where the
 time goes, whether outputs equal target-only greedy, and the drafter's training budget from
@@ -21,9 +22,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from inference import rounds
-from inference.drafting import DraftingConfig
-from speculators.config import UserError, at_least, exit_on_user_error, run_cli, to_dataclass
+from inference import evalsets, rounds
+from inference.drafting import DraftingConfig, speculative_tokens
+from inference.evalsets import EvalConfig
+from speculators.config import UserError, at_least, exit_on_user_error, register_group, require, run_cli, to_dataclass
+
+register_group("eval")  # conf/eval/: the eval sets every inference command serves
 
 
 @dataclass
@@ -31,10 +35,9 @@ class CompareConfig:
     drafters: list[str] = field(default_factory=list)  # export folders, all for the same target
     target: str | None = None  # None: the verifier the first drafter's config names
     modes: list[str] = field(default_factory=lambda: ["chain"])  # drafting modes; each drafter runs those it has
-    num_prompts: int = 8
-    prompt_lines: int = 6
+    eval: EvalConfig = field(default_factory=EvalConfig)  # the prompts: eval=stdlib | mtbench | sharegpt | file
     max_new_tokens: int = 64
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int | None = None  # K for every drafter; None: each drafter's own
     tree_top_k: int = 4  # as in inference.drafting.DraftingConfig
     tree_total_tokens: int = 16
     repeats: int = 3
@@ -45,8 +48,9 @@ class CompareConfig:
             raise UserError("drafters=[...]: give at least one export folder")
         for mode in self.modes:
             DraftingConfig(mode, self.tree_top_k, self.tree_total_tokens)  # validates each
-        at_least(1, num_prompts=self.num_prompts, prompt_lines=self.prompt_lines, max_new_tokens=self.max_new_tokens,
-                 num_speculative_tokens=self.num_speculative_tokens, repeats=self.repeats)
+        require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 1, "num_speculative_tokens",
+                self.num_speculative_tokens, ">= 1, or null for each drafter's own")
+        at_least(1, max_new_tokens=self.max_new_tokens, repeats=self.repeats)
 
 
 @dataclass
@@ -55,6 +59,7 @@ class Method:
     drafter: object | None
     drafting: DraftingConfig
     training: dict | None = None
+    k: int = 0  # draft tokens per step (0: target-only)
     seconds: list[float] = field(default_factory=list)  # per round
     tokens: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)  # first round
@@ -68,10 +73,11 @@ def methods(drafters: list[tuple[str, object, dict | None]], cfg: CompareConfig)
     rows = [Method("target_only", None, DraftingConfig())]
     for path, drafter, training in drafters:
         label = (training or {}).get("family") or Path(path).parent.name or Path(path).name
+        k = speculative_tokens(drafter, cfg.num_speculative_tokens)
         for mode in cfg.modes:
             if mode in modes(drafter):
                 rows.append(Method(f"{label} ({mode})", drafter, DraftingConfig(mode, cfg.tree_top_k,
-                                                                                cfg.tree_total_tokens), training))
+                                                                                cfg.tree_total_tokens), training, k))
     return rows
 
 
@@ -82,17 +88,14 @@ def run(target, rows: list[Method], prompts: list[list[int]], cfg: CompareConfig
         check_pair(target, row.drafter)
 
     def decode(row: Method):
-        return lambda ids: generate(target, row.drafter, ids, cfg.max_new_tokens, k(row), drafting=row.drafting)
-
-    def k(row: Method) -> int:
-        return cfg.num_speculative_tokens if row.drafter is not None else 0
+        return lambda ids: generate(target, row.drafter, ids, cfg.max_new_tokens, row.k, drafting=row.drafting)
 
     timed = rounds.interleaved({i: decode(row) for i, row in enumerate(rows)}, prompts, cfg.repeats,
                                count=lambda out, wall: (len(out.tokens), wall))
     for i, row in enumerate(rows):
         row.seconds, row.tokens = timed[i].seconds, timed[i].tokens
         row.outputs = [out.tokens for out in timed[i].results]
-        row.stats = Stats(k(row))
+        row.stats = Stats(row.k)
         for out in timed[i].results:
             row.stats.add(out.stats)
 
@@ -125,6 +128,7 @@ def summary(rows: list[Method]) -> list[dict]:
         table.append({
             "method": row.name,
             "drafting": row.drafting.mode if row.drafter is not None else None,
+            "num_speculative_tokens": row.k if row.drafter is not None else None,
             "acceptance_length": 1 + row.stats.num_accepted_tokens / drafts if row.drafter is not None else None,
             "acceptance_length_stderr": tau_standard_error(row.stats.accepted_at, row.stats.num_drafts)
             if row.drafter is not None else None,
@@ -200,7 +204,7 @@ def main(cfg: DictConfig) -> None:
     for path in cfg.drafters[1:]:
         drafter, _ = export.load(Path(path))
         drafters.append((path, drafter.eval(), export.training_record(path)))
-    prompts = [target.tokenizer(t)["input_ids"] for t in report.heldout_prompts(cfg.num_prompts, cfg.prompt_lines)]
+    prompts = [p.ids for p in evalsets.prompts(cfg.eval, target, cfg.max_new_tokens)]
     rows = methods(drafters, cfg)
     run(target, rows, prompts, cfg)
     result = {"rows": summary(rows), "target": target.name_or_path, "config": asdict(cfg),

@@ -196,6 +196,16 @@ def modes(drafter) -> list[str]:
     return sorted(mode for (family_kind, mode) in PROPOSERS if family_kind == kind)
 
 
+def speculative_tokens(drafter, k: int | None) -> int:
+    """K: the drafter's trained depth unless the user chose one (said when beyond what it was trained for).
+    Every inference command serves a drafter at its own K when num_speculative_tokens is null."""
+    trained = drafter.num_speculative_tokens
+    if k is not None and k > trained:
+        print(f"num_speculative_tokens={k} is beyond the {trained} draft tokens this drafter was trained for: "
+              f"positions past {trained} are served untrained")
+    return trained if k is None else k
+
+
 def make_proposer(drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
     if drafting.mode not in modes(drafter):
         raise UserError(f"drafting.mode={drafting.mode!r} is not available for a {type(drafter).__name__}; "

@@ -3,11 +3,12 @@
     python -m inference.quant_bench OUT.json [--target DIR] [--prompts 4] [--new-tokens 64] [--repeats 3]
                                              [--all-weights] [--decode-only] [--ways none,w8a8,...]
 
-Target-only greedy decoding (inference.engine.generate, K=0, batch 1) of the same held-out
-prompts by the target loaded once per scheme (none, int8, int4, gptq_int4, fp8, w8a8; embeddings and lm_head
-kept, the defaults, or quantized too with --all-weights), each on the default CPU path
-quant.cpu_matmul=kernel, and int8 and int4 also dequantized into one dense matmul and on PyTorch's
-packed operators (rows "int8/dequantize", "int4/packed", ...): the measurement behind the default.
+Target-only greedy decoding (inference.engine.generate, K=0, batch 1) of the same held-out prompts
+(the stdlib eval set, inference/evalsets.py) by the target loaded once per scheme (none, int8,
+int4, gptq_int4, fp8, w8a8; embeddings and lm_head kept, the defaults, or quantized too with
+--all-weights), each on the default CPU path quant.cpu_matmul=kernel, and int8 and int4 also
+dequantized into one dense matmul and on PyTorch's packed operators (rows "int8/dequantize",
+"int4/packed", ...): the measurement behind the default.
 --ways keeps some of these rows (none, the baseline, always stays).
 Beside decoding (one row per linear call), whole forward passes at the other sizes the target
 runs: a verification pass (1 x 6 tokens: K=5 drafts and the root) and a training batch
@@ -31,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-from inference import rounds
+from inference import evalsets, rounds
 from inference.drafting import DraftingConfig
 from inference.engine import Stats, generate
-from inference.report import git_revision, heldout_prompts, machine
+from inference.evalsets import EvalConfig
+from kernels.provenance import git_revision, machine
 from speculators.config import PROJECT_ROOT, exit_on_user_error, require
 from speculators.quant import QUANT_SCHEMES, QuantConfig, QuantizedEmbedding, QuantizedLinear, weight_bytes
 from speculators.target import FrozenTarget, TargetConfig
@@ -49,17 +51,18 @@ class Decoded:
     stats: Stats
 
 
-def decode_ways(ways: dict, prompts: list[list[int]], new_tokens: int, repeats: int, k: int = 0,
+def decode_ways(ways: dict, prompts: list[list[int]], new_tokens: int, repeats: int,
                 drafting: DraftingConfig | None = None) -> dict[str, Decoded]:
-    """ways: name -> (target, drafter or None), greedy, interleaved (inference.rounds). tokens/s of a
-    round = tokens after the first / decode time after the first token, summed over the prompts."""
-    def decode(target, drafter):
+    """ways: name -> (target, drafter or None, K: draft tokens per step, 0 without a drafter), greedy,
+    interleaved (inference.rounds). tokens/s of a round = tokens after the first / decode time after
+    the first token, summed over the prompts."""
+    def decode(target, drafter, k):
         return lambda ids: generate(target, drafter, ids, new_tokens, k if drafter is not None else 0, drafting=drafting)
 
     timed = rounds.interleaved({name: decode(*way) for name, way in ways.items()}, prompts, repeats,
                                count=lambda out, wall: (len(out.tokens) - 1, out.stats.decode_s))
     decoded = {}
-    for name, (_, drafter) in ways.items():
+    for name, (_, drafter, k) in ways.items():
         stats = Stats(k if drafter is not None else 0)
         for out in timed[name].results:
             stats.add(out.stats)
@@ -125,18 +128,20 @@ def forward_ms(targets: dict, repeats: int) -> dict[str, dict[str, float]]:
 def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_weights: bool,
         decode_only: bool = False, chosen: list[str] | None = None) -> dict:
     options = dict(quantize_embeddings=all_weights, quantize_lm_head=all_weights)
-    ways = {scheme: QuantConfig(scheme=scheme, **options) for scheme in QUANT_SCHEMES}
+    config = TargetConfig.named(target_dir, layer_ids=[0])  # target-only decoding: no drafter reads layers
+    schemes = [s for s in QUANT_SCHEMES if s != "gguf" or config.gguf_file]  # gguf packs a GGUF file's own blocks
+    ways = {scheme: QuantConfig(scheme=scheme, **options) for scheme in schemes}
     ways |= {f"{scheme}/{path}": QuantConfig(scheme=scheme, cpu_matmul=path, **options)
              for scheme in ("int8", "int4") for path in ("dequantize", "packed")}
     if chosen:
         unknown = sorted(set(chosen) - set(ways))
         require(not unknown, "--ways", ",".join(unknown), f"a comma-separated list of {', '.join(ways)}")
         ways = {name: quant for name, quant in ways.items() if name == "none" or name in chosen}
-    config = TargetConfig(name_or_path=target_dir, layer_ids=[0])  # target-only decoding: no drafter reads layers
     full = FrozenTarget.load(config)
     targets = {name: FrozenTarget.load(config, quant) for name, quant in ways.items()}
-    prompts = [full.tokenizer(text)["input_ids"] for text in heldout_prompts(num_prompts)]
-    decoded = decode_ways({scheme: (target, None) for scheme, target in targets.items()}, prompts, new_tokens, repeats)
+    prompts = [p.ids for p in evalsets.prompts(EvalConfig("stdlib", num_prompts=num_prompts), full, new_tokens)]
+    decoded = decode_ways({scheme: (target, None, 0) for scheme, target in targets.items()}, prompts, new_tokens,
+                          repeats)
     forwards = {} if decode_only else forward_ms(targets, repeats)
     base = statistics.median(decoded["none"].tokens_per_s)
     rows = {}

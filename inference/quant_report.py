@@ -1,7 +1,8 @@
 """The quantization report: four ways to serve a target, measured side by side on the same prompts.
 
     python -m inference.quant_report drafter=<export> [quantized_drafters={int4:<export>,int8:<export>}]
-        [schemes=[int8,int4]] [target=<dir>] [prompts=<file>] [max_new_tokens=64] [repeats=3] [out=DIR]
+        [schemes=[int8,int4]] [target=<dir>] [eval=stdlib|mtbench|sharegpt|file eval.path=<jsonl>]
+        [max_new_tokens=64] [num_speculative_tokens=K] [repeats=3] [out=DIR]
 
 For each quantization scheme s, the production rollout's four steps:
     baseline           full-precision target, no drafter
@@ -18,7 +19,8 @@ acceptance length); and output drift against the full-precision target's greedy 
 - with a drafter: the share of prompts whose output equals the same target's output alone (1 for
   every weight-only scheme: greedy speculation is lossless; w8a8 can fall short, speculators/quant.py).
 The cross table: tau of `drafter` and of quantized_drafters.s, each served with the s target, beside
-tau of `drafter` on the full-precision target.
+tau of `drafter` on the full-precision target. Every drafter drafts K = num_speculative_tokens tokens,
+or its own K (the depth it was trained for) when that is null.
 
 Every way of serving decodes a prompt before any starts the next one (interleaved: all see the same
 machine load), in each of `repeats` repeats, greedily. Writes <out>/quant_report.json (everything,
@@ -36,9 +38,10 @@ import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from inference import report
-from inference.drafting import DraftingConfig
+from inference import evalsets, report
+from inference.drafting import DraftingConfig, speculative_tokens
 from inference.engine import check_pair
+from inference.evalsets import EvalConfig, Prompt
 from inference.quant_bench import decode_ways, linear_ops, prefix_match, quant_error
 from speculators import export
 from speculators.config import (
@@ -47,6 +50,7 @@ from speculators.config import (
     at_least,
     exit_on_user_error,
     one_of,
+    register_group,
     require,
     run_cli,
     to_dataclass,
@@ -57,6 +61,8 @@ from speculators.target import FrozenTarget, TargetConfig
 FULL = "fp"  # the full-precision target, and the drafter trained against it
 STEPS = {"baseline": "baseline", "quantization_only": "quantization only", "speculation_only": "speculation only",
          "both": "both"}
+
+register_group("eval")  # conf/eval/: the eval sets every inference command serves
 
 
 @dataclass
@@ -69,11 +75,9 @@ class QuantReportConfig:
     quantize_embeddings: bool = False
     quantize_lm_head: bool = False
     cpu_matmul: str = "kernel"  # kernel | dequantize | packed, as speculators.quant.QuantConfig
-    prompts: str = "heldout"  # heldout: first lines of test-split stdlib files; or a text file, one prompt per line
-    num_prompts: int = 8
-    prompt_lines: int = 6
+    eval: EvalConfig = field(default_factory=EvalConfig)  # the prompts: eval=stdlib | mtbench | sharegpt | file
     max_new_tokens: int = 64
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int | None = None  # K for every drafter; None: each drafter's own
     drafting: DraftingConfig = field(default_factory=DraftingConfig)
     repeats: int = 3
     out: str | None = None  # None: the Hydra run directory
@@ -89,8 +93,9 @@ class QuantReportConfig:
             require(scheme in self.schemes and scheme != "none", f"quantized_drafters.{scheme}",
                     self.quantized_drafters[scheme], f"keyed by a reported quantized scheme "
                     f"({', '.join(s for s in self.schemes if s != 'none')}); the full-precision one is drafter=")
-        at_least(1, num_prompts=self.num_prompts, prompt_lines=self.prompt_lines, repeats=self.repeats,
-                 num_speculative_tokens=self.num_speculative_tokens)
+        require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 1, "num_speculative_tokens",
+                self.num_speculative_tokens, ">= 1, or null for each drafter's own")
+        at_least(1, repeats=self.repeats)
         at_least(2, max_new_tokens=self.max_new_tokens)  # decode speed is timed after the first token
 
     def quant(self, scheme: str) -> QuantConfig:
@@ -110,7 +115,7 @@ def load(cfg: QuantReportConfig) -> tuple[dict[str, FrozenTarget], dict[str, tor
     drafters = {FULL: load_drafter("drafter", cfg.drafter, QuantConfig())}
     drafters |= {s: load_drafter(f"quantized_drafters.{s}", path, cfg.quant(s))
                  for s, path in cfg.quantized_drafters.items()}
-    target_cfg = TargetConfig(name_or_path=cfg.target, layer_ids=getattr(drafters[FULL], "layer_ids", None))
+    target_cfg = TargetConfig.named(cfg.target, layer_ids=getattr(drafters[FULL], "layer_ids", None))
     targets = {FULL: FrozenTarget.load(target_cfg)} | {s: FrozenTarget.load(target_cfg, cfg.quant(s))
                                                        for s in cfg.schemes}
     return targets, drafters
@@ -139,6 +144,8 @@ def same_quantization(a: QuantConfig, b: QuantConfig) -> bool:
 def describe(quant: QuantConfig) -> str:
     if quant.scheme == "none":
         return "no quantization"
+    if quant.scheme == "gguf":
+        return "gguf: the file's own blocks (Q4_1 layers, Q8_0 embeddings and lm_head)"
     parts = [quant.scheme + (f", groups of {quant.group_size}" if quant.scheme in ("int4", "gptq_int4") else "")]
     parts.append("embeddings " + ("quantized" if quant.quantize_embeddings else "kept"))
     parts.append("lm_head " + ("quantized" if quant.quantize_lm_head else "kept"))
@@ -168,16 +175,17 @@ def way_name(way: tuple[str, str | None]) -> str:
     return f"target={way[0]} drafter={way[1] or '-'}"
 
 
-def measure(targets: dict, drafters: dict, prompts: list[str], cfg: QuantReportConfig) -> dict:
+def measure(targets: dict, drafters: dict, prompts: list[Prompt], cfg: QuantReportConfig) -> dict:
     """Decode every prompt every way (interleaved, repeated); the four-way and cross tables as a dict."""
-    ids = [targets[FULL].tokenizer(text)["input_ids"] for text in prompts]
+    ids = [p.ids for p in prompts]
     ways = ways_of_serving(cfg)
     for target, drafter in ways:
         if drafter is not None:
             check_pair(targets[target], drafters[drafter])
-    decoded = decode_ways({way: (served_with(targets[way[0]], drafters.get(way[1])), drafters.get(way[1]))
-                           for way in ways}, ids, cfg.max_new_tokens, cfg.repeats, cfg.num_speculative_tokens,
-                          cfg.drafting)
+    ks = {key: speculative_tokens(drafter, cfg.num_speculative_tokens) for key, drafter in drafters.items()}
+    decoded = decode_ways({way: (served_with(targets[way[0]], drafters.get(way[1])), drafters.get(way[1]),
+                                 ks.get(way[1], 0)) for way in ways},
+                          ids, cfg.max_new_tokens, cfg.repeats, cfg.drafting)
     reference = decoded[(FULL, None)].outputs
     kl = {key: mean_kl(targets[FULL], target, ids, reference) for key, target in targets.items()}
     base = statistics.median(decoded[(FULL, None)].tokens_per_s)
@@ -205,10 +213,12 @@ def measure(targets: dict, drafters: dict, prompts: list[str], cfg: QuantReportC
                                 "speculation_only": rows[(FULL, FULL)], "both": rows[(s, cfg.both_drafter(s))]}}
         cross[s] = {"fp_drafter_on_fp_target": rows[(FULL, FULL)], "fp_drafter_on_quantized_target": rows[(s, FULL)],
                     "quantized_drafter_on_quantized_target": rows.get((s, s))}
-    return {"four_way": four_way, "cross": cross, "prompts": prompts,
+    return {"four_way": four_way, "cross": cross, "prompts": [p.text for p in prompts],
+            "prompt_turns": [p.turn for p in prompts],
             "outputs": {way_name(way): decoded[way].outputs for way in ways},
             "drafters": {key: {"path": cfg.drafter if key == FULL else cfg.quantized_drafters[key],
-                               "trained_against": "full precision" if key == FULL else key} for key in drafters},
+                               "trained_against": "full precision" if key == FULL else key,
+                               "num_speculative_tokens": ks[key]} for key in drafters},
             "config": asdict(cfg), "git_revision": report.git_revision(), "machine": report.machine()}
 
 
@@ -242,10 +252,13 @@ def mean_kl(full: FrozenTarget, served: FrozenTarget, prompts: list[list[int]], 
 def markdown(result: dict) -> str:
     """The four-way table per scheme and the cross table, as Markdown."""
     cfg = result["config"]
+    ks = {key: d["num_speculative_tokens"] for key, d in result["drafters"].items()}
+    k = f"{next(iter(ks.values()))}-token" if len(set(ks.values())) == 1 else \
+        "K-token (" + ", ".join(f"{target_label(key)} drafter {n}" for key, n in ks.items()) + ")"
     lines = [f"{len(result['prompts'])} prompts, {cfg['max_new_tokens']} new tokens each, greedy, "
-             f"{cfg['num_speculative_tokens']}-token {cfg['drafting']['mode']} drafts; tokens/s: decode after the "
+             f"{k} {cfg['drafting']['mode']} drafts; tokens/s: decode after the "
              f"first token, median of {cfg['repeats']} interleaved repeats; torch {result['machine']['torch']}, "
-             f"{result['machine']['threads']} thread(s)."]
+             f"{result['machine']['torch_threads']} thread(s)."]
     for scheme, entry in result["four_way"].items():
         error = entry["quant_dequant_rel_error"]
         lines += ["", f"**{scheme}** ({describe(QuantConfig(**entry['quant']))}; quantize-dequantize error "
@@ -298,7 +311,7 @@ def write(result: dict, out_dir: Path) -> Path:
 def main(cfg: DictConfig) -> None:
     cfg = to_dataclass(QuantReportConfig, cfg)
     targets, drafters = load(cfg)
-    result = measure(targets, drafters, report.load_prompts(cfg), cfg)
+    result = measure(targets, drafters, evalsets.prompts(cfg.eval, targets[FULL], cfg.max_new_tokens), cfg)
     path = write(result, Path(cfg.out or HydraConfig.get().runtime.output_dir))
     print(f"quantization report: {path}")
 

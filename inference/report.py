@@ -1,28 +1,28 @@
 """Acceptance report: speculative decoding against target-only decoding on the same prompts.
 
-Writes <out>/report.json (vLLM's metric definitions, DESIGN.md section 3), <out>/acceptance.png
+Writes <out>/report.json (vLLM's metric definitions: tau = 1 + accepted / drafts), <out>/acceptance.png
 (acceptance rate per draft position) and prints a table. Baseline and speculative runs are
 interleaved batch by batch (`batch_size` prompts decoded together, both ways), so both see the
 same machine load. The report has the same keys at every batch size.
 """
 
 import json
-import platform
 import resource
-import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from inference.drafting import DraftingConfig
+from inference.drafting import DraftingConfig, speculative_tokens
 from inference.engine import Stats, check_pair, generate_batch
-from speculators import corpus
+from inference.evalsets import EvalConfig, Prompt
+from kernels.provenance import git_revision, machine
 from speculators.config import UserError, at_least, register_group, require
 from speculators.quant import QuantConfig
-from train.run import LoggerConfig, wandb_mode
+from speculators.tracking import LoggerConfig, wandb_mode
 
 register_group("quant")  # conf/quant/ of the training recipes: `python -m inference quant=int4` serves it
+register_group("eval")  # conf/eval/: the eval sets every inference command serves
 
 
 @dataclass
@@ -30,12 +30,10 @@ class InferenceConfig:
     drafter: str = "???"  # an export folder (vLLM speculators format)
     target: str | None = None  # None: the verifier named in the drafter's config
     quant: QuantConfig = field(default_factory=QuantConfig)  # serve the target quantized (quant=int8|int4|fp8|w8a8)
-    prompts: str = "heldout"  # heldout: first lines of test-split stdlib files; or a text file, one prompt per line
-    num_prompts: int = 8
-    prompt_lines: int = 6
+    eval: EvalConfig = field(default_factory=EvalConfig)  # the prompts: eval=stdlib | mtbench | sharegpt | file
     max_new_tokens: int = 64
     temperature: float = 0.0
-    num_speculative_tokens: int = 5  # chain length; tree depth with drafting.mode=tree
+    num_speculative_tokens: int | None = None  # chain length K (tree depth with drafting.mode=tree); None: the drafter's own
     drafting: DraftingConfig = field(default_factory=DraftingConfig)
     batch_size: int = 1  # prompts decoded together (chains only); 1 is the single-sequence fast path
     seed: int = 0
@@ -43,9 +41,10 @@ class InferenceConfig:
     logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(kind="none"))  # kind=wandb to log the report
 
     def __post_init__(self):
-        at_least(0, num_speculative_tokens=self.num_speculative_tokens, temperature=self.temperature)
-        at_least(1, num_prompts=self.num_prompts, prompt_lines=self.prompt_lines, max_new_tokens=self.max_new_tokens,
-                 batch_size=self.batch_size)
+        at_least(0, temperature=self.temperature)
+        require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 0, "num_speculative_tokens",
+                self.num_speculative_tokens, ">= 0, or null for the drafter's own")
+        at_least(1, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
         if self.batch_size > 1 and self.drafting.mode == "tree":
             raise UserError(f"drafting.mode=tree decodes one prompt at a time; batch_size={self.batch_size} needs "
                             f"drafting.mode=chain (or batch_size=1)")
@@ -60,74 +59,24 @@ def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
     drafter, verifier = export.load(Path(drafter_path))
     if not (target_path or verifier):
         raise UserError(f"{drafter_path} does not name its target (original EAGLE-3 format); pass target=<path or hub id>")
-    target_cfg = TargetConfig(name_or_path=target_path or verifier, layer_ids=getattr(drafter, "layer_ids", None))
+    target_cfg = TargetConfig.named(target_path or verifier, layer_ids=getattr(drafter, "layer_ids", None))
     return drafter.eval(), FrozenTarget.load(target_cfg, quant or QuantConfig())
 
 
-def heldout_prompts(count: int, lines: int = 6) -> list[str]:
-    """The first lines of the first `count` test-split files: code no target or drafter trained on."""
-    test = corpus.stdlib_files()["test"]
-    return ["".join(text.splitlines(keepends=True)[:lines]) for text in test["text"][:count]]
-
-
-def load_prompts(cfg: InferenceConfig) -> list[str]:
-    if cfg.prompts == "heldout":
-        return heldout_prompts(cfg.num_prompts, cfg.prompt_lines)
-    path = Path(cfg.prompts)
-    if not path.is_file():
-        raise UserError(f"prompts={cfg.prompts!r}: use 'heldout' or a text file with one prompt per line")
-    prompts = [line.replace("\\n", "\n") for line in path.read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise UserError(f"prompts file {path} has no prompts")
-    return prompts[: cfg.num_prompts]
-
-
-def measure(target, drafter, prompts: list[str], cfg: InferenceConfig) -> dict:
-    """Run baseline and speculative decoding on every prompt; return the report as a dict."""
-    k = cfg.num_speculative_tokens
-    if drafter is not None and k:
+def measure(target, drafter, prompts: list[Prompt], cfg: InferenceConfig) -> dict:
+    """Baseline and speculative decoding of every prompt, interleaved batch by batch; the report
+    as a dict: the figures of all prompts, and the same figures per conversation turn."""
+    cfg = replace(cfg, num_speculative_tokens=speculative_tokens(drafter, cfg.num_speculative_tokens))
+    if cfg.num_speculative_tokens:
         check_pair(target, drafter)
-    spec_total, base_total, rows, steps, base_steps = Stats(k), Stats(0), [], 0, 0
-    size = cfg.batch_size
-    for first in range(0, len(prompts), size):  # batch by batch; seed: that of the batch's first prompt
-        texts = prompts[first : first + size]
-        ids = [target.tokenizer(text)["input_ids"] for text in texts]
-        base = generate_batch(target, None, ids, cfg.max_new_tokens, 0, cfg.temperature, cfg.seed + first)
-        spec = generate_batch(target, drafter, ids, cfg.max_new_tokens, k, cfg.temperature, cfg.seed + first,
-                              cfg.drafting)
-        base_total.add(base.stats)
-        spec_total.add(spec.stats)
-        steps += max(map(len, spec.tokens)) - 1  # decode steps a request of the batch waits through
-        base_steps += max(map(len, base.tokens)) - 1
-        for text, prompt_ids, out, baseline in zip(texts, ids, spec.tokens, base.tokens):
-            rows.append({"prompt": text, "prompt_ids": prompt_ids, "output_ids": out,
-                         "output": target.tokenizer.decode(out), "baseline_output_ids": baseline,
-                         "matches_baseline": out == baseline})
-    batches = -(-len(prompts) // size)
-    new_tokens = sum(len(r["output_ids"]) for r in rows)
-    base_tokens = sum(len(r["baseline_output_ids"]) for r in rows)
-    drafts = max(spec_total.num_drafts, 1)
-    spec_speed = new_tokens / (spec_total.ttft_s + spec_total.decode_s)
-    base_speed = base_tokens / (base_total.ttft_s + base_total.decode_s)
-    return {
-        "acceptance_length": 1 + spec_total.num_accepted_tokens / drafts,
-        # Each row's own verification, before a batch cuts it to the common advance (= the above at batch 1).
-        "acceptance_length_per_row": 1 + spec_total.row_accepted_tokens / drafts,
-        "acceptance_rate_per_position": [a / drafts for a in spec_total.accepted_at],
-        "num_drafts": spec_total.num_drafts,
-        "num_draft_tokens": spec_total.num_draft_tokens,
-        "num_accepted_tokens": spec_total.num_accepted_tokens,
-        "target_forwards": spec_total.target_forwards,
-        "baseline_target_forwards": base_total.target_forwards,
-        "tokens_per_second": spec_speed,
-        "baseline_tokens_per_second": base_speed,
-        "speedup": spec_speed / base_speed,
-        "ttft_s": spec_total.ttft_s / batches,  # every prompt of a batch waits for the batch's prefill
-        "tpot_s": spec_total.decode_s / max(steps, 1),
-        "baseline_tpot_s": base_total.decode_s / max(base_steps, 1),
-        "time_split_s": {"draft": spec_total.draft_s, "verify": spec_total.verify_s,
-                         "other": spec_total.decode_s - spec_total.draft_s - spec_total.verify_s,
-                         "first_token": spec_total.ttft_s},
+    turns = sorted({p.turn for p in prompts})
+    per_turn = {turn: measure_turn(target, drafter, [p for p in prompts if p.turn == turn], cfg) for turn in turns}
+    total = Tally(cfg.num_speculative_tokens)
+    for tally in per_turn.values():
+        total.add(tally)
+    rows = [row for tally in per_turn.values() for row in tally.rows]
+    return total.figures() | {
+        "per_turn": {str(turn): tally.figures() for turn, tally in per_turn.items()} if len(turns) > 1 else None,
         "peak_memory_mb": peak_memory_mb(),
         "outputs_match_baseline": all(r["matches_baseline"] for r in rows) if cfg.temperature == 0 else None,
         "prompts": rows,
@@ -139,23 +88,80 @@ def measure(target, drafter, prompts: list[str], cfg: InferenceConfig) -> dict:
     }
 
 
-def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+@dataclass
+class Tally:
+    """Counters of speculative and baseline decoding over some prompts, and their rows."""
+
+    k: int
+    spec: Stats = None
+    base: Stats = None
+    steps: int = 0  # decode steps a request of a batch waits through
+    base_steps: int = 0
+    batches: int = 0
+    rows: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.spec, self.base = self.spec or Stats(self.k), self.base or Stats(0)
+
+    def add(self, other: "Tally") -> None:
+        self.spec.add(other.spec)
+        self.base.add(other.base)
+        self.steps, self.base_steps = self.steps + other.steps, self.base_steps + other.base_steps
+        self.batches += other.batches
+        self.rows += other.rows
+
+    def figures(self) -> dict:
+        spec, base = self.spec, self.base
+        drafts = max(spec.num_drafts, 1)
+        spec_speed = sum(len(r["output_ids"]) for r in self.rows) / (spec.ttft_s + spec.decode_s)
+        base_speed = sum(len(r["baseline_output_ids"]) for r in self.rows) / (base.ttft_s + base.decode_s)
+        return {
+            "acceptance_length": 1 + spec.num_accepted_tokens / drafts,
+            # Each row's own verification, before a batch cuts it to the common advance (= the above at batch 1).
+            "acceptance_length_per_row": 1 + spec.row_accepted_tokens / drafts,
+            "acceptance_rate_per_position": [a / drafts for a in spec.accepted_at],
+            "num_prompts": len(self.rows),
+            "num_drafts": spec.num_drafts,
+            "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens,
+            "target_forwards": spec.target_forwards,
+            "baseline_target_forwards": base.target_forwards,
+            "tokens_per_second": spec_speed,
+            "baseline_tokens_per_second": base_speed,
+            "speedup": spec_speed / base_speed,
+            "ttft_s": spec.ttft_s / max(self.batches, 1),  # every prompt of a batch waits for the batch's prefill
+            "tpot_s": spec.decode_s / max(self.steps, 1),
+            "baseline_tpot_s": base.decode_s / max(self.base_steps, 1),
+            "time_split_s": {"draft": spec.draft_s, "verify": spec.verify_s,
+                             "other": spec.decode_s - spec.draft_s - spec.verify_s, "first_token": spec.ttft_s},
+        }
+
+
+def measure_turn(target, drafter, prompts: list[Prompt], cfg: InferenceConfig) -> Tally:
+    k, size = cfg.num_speculative_tokens, cfg.batch_size
+    tally = Tally(k)
+    for first in range(0, len(prompts), size):  # batch by batch; seed: that of the batch's first prompt
+        batch = prompts[first : first + size]
+        ids = [p.ids for p in batch]
+        base = generate_batch(target, None, ids, cfg.max_new_tokens, 0, cfg.temperature, cfg.seed + first)
+        spec = generate_batch(target, drafter, ids, cfg.max_new_tokens, k, cfg.temperature, cfg.seed + first,
+                              cfg.drafting)
+        tally.base.add(base.stats)
+        tally.spec.add(spec.stats)
+        tally.steps += max(map(len, spec.tokens)) - 1
+        tally.base_steps += max(map(len, base.tokens)) - 1
+        tally.batches += 1
+        for prompt, out, baseline in zip(batch, spec.tokens, base.tokens):
+            tally.rows.append({"prompt": prompt.text, "turn": prompt.turn, "prompt_ids": prompt.ids,
+                               "output_ids": out, "output": target.tokenizer.decode(out),
+                               "baseline_output_ids": baseline, "matches_baseline": out == baseline})
+    return tally
 
 
 def peak_memory_mb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB: the process's peak RSS
-
-
-def git_revision() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def write(report: dict, out_dir: Path) -> Path:
@@ -202,6 +208,8 @@ def table(report: dict) -> str:
     lines += [f"{i:>8} {rate:>10.3f}" for i, rate in enumerate(report["acceptance_rate_per_position"], 1)]
     lines += [
         f"acceptance length tau: {report['acceptance_length']:.3f} over {report['num_drafts']} drafts",
+        *[f"  turn {turn}: tau {figures['acceptance_length']:.3f}, speed-up {figures['speedup']:.2f}x "
+          f"({figures['num_prompts']} prompts)" for turn, figures in (report["per_turn"] or {}).items()],
         f"tokens/s: {report['tokens_per_second']:.1f} speculative vs {report['baseline_tokens_per_second']:.1f} "
         f"target-only (speed-up {report['speedup']:.2f}x)",
         "decode time: " + ", ".join(f"{name} {secs:.2f}s" for name, secs in report["time_split_s"].items()),

@@ -1,7 +1,7 @@
 """Triton kernels for the hot paths of training and verification, each beside a plain-torch
 reference of the same math.
 
-One dispatch rule, `use_triton`: Triton on CUDA tensors; Triton's interpreter on CPU tensors
+One dispatch rule, `use_triton` (kernels/dispatch.py): Triton on CUDA tensors; Triton's interpreter on CPU tensors
 when the process runs with TRITON_INTERPRET=1 (the tests); plain torch everywhere else.
 Where the rule says torch, the quantized matmul also has a C++ CPU kernel for few rows
 (quant_matmul_cpu.cpp; when it serves: kernels.quant_matmul).
@@ -10,18 +10,7 @@ tl.sum, tl.max, ... when it is imported, so TRITON_INTERPRET=1 must be in the en
 before anything imports triton. `use_triton` reads the value our kernels were decorated with.
 """
 
-import torch
-import triton
-
-INTERPRET = triton.knobs.runtime.interpret  # as the kernels below are decorated
-
-
-def use_triton(x: torch.Tensor) -> bool:
-    """The dispatch rule: run the Triton kernel for tensor `x`, or the torch path?"""
-    return x.is_cuda or INTERPRET
-
-
-# Imported after the rule, which these modules use.
+from kernels.dispatch import INTERPRET, use_triton
 from kernels.distill import (
     distill_loss,
     distill_loss_chunked,

@@ -1,7 +1,7 @@
 """Peak memory and time of the chunked distillation loss against the naive one, on the CPU.
 
-    python -m kernels.bench_loss kernels/results/bench_loss.json      # the loss alone, full size
-    python -m kernels.bench_loss kernels/results/bench_loss_lm_head.json --hidden 4096 --repeats 3
+    python -m kernels.bench_loss results/pycode/bench_loss.json      # the loss alone, full size
+    python -m kernels.bench_loss results/pycode/bench_loss_lm_head.json --hidden 4096 --repeats 3
 
 One measurement = forward and backward of the loss on fresh [tokens, draft_vocab] draft logits
 and [tokens, target_vocab] target logits (allocated before it, not counted), ending with the
@@ -21,17 +21,15 @@ git revision and machine.
 
 import argparse
 import json
-import os
-import platform
 import re
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 from kernels.distill import CHUNK_ELEMENTS, distill_loss_chunked, distill_loss_reference
+from kernels.provenance import git_revision, machine
 
 IMPLEMENTATIONS = {"naive": distill_loss_reference, "chunked": distill_loss_chunked}
 FULL_SIZE = (2048, 32000, 128256)  # the realistic (tokens, draft vocab, target vocab): Llama-3 8B class
@@ -69,20 +67,6 @@ def step(loss_fn, leaves, target, draft_to_target, mask, kind):
     logits = leaves[0] @ leaves[1].T if len(leaves) == 2 else leaves[0]
     loss = loss_fn(logits, target, draft_to_target, mask, kind=kind)
     return [loss.detach(), *torch.autograd.grad(loss.sum() / mask.sum(), leaves)]
-
-
-def git_revision() -> str:
-    def git(*cmd):
-        root = Path(__file__).resolve().parent.parent
-        return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True).stdout.strip()
-    return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")
-
-
-def machine() -> dict:
-    cpu = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text())
-    return {"cpu": cpu.group(1) if cpu else platform.processor(), "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
 
 
 def main(argv=None) -> dict:

@@ -1,15 +1,20 @@
 """Time of one quantized matmul on the CPU: the kernel against dequantize + matmul and against fp32.
 
-    python -m kernels.bench_quant_matmul kernels/results/quant_matmul_cpu.json [--repeats 15]
+    python -m kernels.bench_quant_matmul results/pycode/quant_matmul_cpu.json [--repeats 15]
+        [--shapes "smollm2 lm_head" ...] [--rows 1 6]
 
-For each layer shape (the shipped target's MLP, and a 369M Llama's: hidden 2048, MLP 5632) and
-each number of rows of x (1: decoding; 6: verifying 5 drafts; up to training-sized batches),
-five ways compute x W^T: fp32 F.linear on the unquantized W, and for int8 (per channel) and int4
-(groups of 32) kernels.quant_matmul's CPU kernel and its reference (dequantize + one matmul).
+For each layer shape (the shipped target's MLP, a 369M Llama's: hidden 2048, MLP 5632, and
+SmolLM2-135M's: hidden 576, 3 KV heads of 64, MLP 1536, vocab 49152) and each number of rows of x
+(1: decoding; 6: verifying 5 drafts; up to training-sized batches), these ways compute x W^T: fp32
+F.linear on the unquantized W, and for int8 (per channel), int8/32 (one scale per 32 columns, GGUF's
+Q8_0) and int4 (groups of 32, GGUF's Q4_1) kernels.quant_matmul's CPU kernel with fp32 x ("kernel"),
+the same kernel with x rounded to int8 per 32 columns ("kernel int8-x": integer dot products, in the
+instruction set the JSON names), and the reference (dequantize + one matmul).
 Ways alternate call by call within each repeat (the same machine load for all); each timing is
 enough calls to last about 20 ms, and the JSON holds the median milliseconds per call over
 repeats, the speed-up over fp32, and per scheme the largest row count where the kernel still
 beats dequantize + matmul: the measurement behind kernels.quant_matmul.CPU_KERNEL_MAX_ROWS.
+The weights stay in the caches between calls: decoding a whole model streams them from memory.
 """
 
 import argparse
@@ -21,20 +26,23 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from inference.report import git_revision, machine
+from kernels.provenance import git_revision, machine
 from kernels.quant_matmul import (
     CPU_KERNEL_MAX_ROWS,
     cpu_ops,
     pack_int4,
     quant_matmul_cpu,
     quant_matmul_reference,
+    round_to_nearest_int4,
 )
-from speculators.quant import round_to_nearest_int4
 
 SHAPES = {"pycode mlp up": (768, 256), "pycode mlp down": (256, 768),
-          "369M mlp up": (5632, 2048), "369M mlp down": (2048, 5632)}  # name -> (N, K)
+          "369M mlp up": (5632, 2048), "369M mlp down": (2048, 5632),
+          "smollm2 attn q/o": (576, 576), "smollm2 attn k/v": (192, 576), "smollm2 mlp gate/up": (1536, 576),
+          "smollm2 mlp down": (576, 1536), "smollm2 lm_head": (49152, 576)}  # name -> (N, K)
 ROWS = (1, 6, 16, 32, 64, 128)
 GROUP_SIZE = 32
+SCHEMES = ("int8", "int8/32", "int4")
 
 
 def ways_for(N: int, K: int) -> dict:
@@ -42,13 +50,16 @@ def ways_for(N: int, K: int) -> dict:
     weight = torch.randn(N, K)
     scales8 = weight.abs().amax(1) / 127
     int8 = (torch.round(weight / scales8[:, None]).to(torch.int8), scales8)
+    scales8g = weight.view(N, -1, GROUP_SIZE).abs().amax(-1) / 127
+    int8g = (torch.round(weight / scales8g.repeat_interleave(GROUP_SIZE, 1)).to(torch.int8), scales8g, None, GROUP_SIZE)
     q, scales4, zeros4 = round_to_nearest_int4(weight, GROUP_SIZE)
     int4 = (pack_int4(q), scales4, zeros4, GROUP_SIZE)
-    return {"fp32": lambda x: F.linear(x, weight),
-            "int8 kernel": lambda x: quant_matmul_cpu(x, *int8),
-            "int8 dequantize": lambda x: quant_matmul_reference(x, *int8),
-            "int4 kernel": lambda x: quant_matmul_cpu(x, *int4),
-            "int4 dequantize": lambda x: quant_matmul_reference(x, *int4)}
+    ways = {"fp32": lambda x: F.linear(x, weight)}
+    for scheme, stored in zip(SCHEMES, (int8, int8g, int4)):
+        ways |= {f"{scheme} kernel": lambda x, w=stored: quant_matmul_cpu(x, *w),
+                 f"{scheme} kernel int8-x": lambda x, w=stored: quant_matmul_cpu(x, *w, int8_activations=True),
+                 f"{scheme} dequantize": lambda x, w=stored: quant_matmul_reference(x, *w)}
+    return ways
 
 
 def calls_lasting(fn, x, seconds: float = 0.02) -> int:
@@ -74,11 +85,11 @@ def time_shape(N: int, K: int, rows: int, repeats: int) -> dict[str, float]:
     return {name: statistics.median(ms) for name, ms in times.items()}
 
 
-def kernel_wins_up_to(by_rows: dict[int, dict[str, float]], scheme: str) -> int:
+def kernel_wins_up_to(by_rows: dict[int, dict[str, float]], scheme: str, kernel: str = "kernel") -> int:
     """The largest row count up to which the kernel beats dequantize + matmul at every measured count."""
     best = 0
     for rows, ms in sorted(by_rows.items()):
-        if ms[f"{scheme} kernel"] >= ms[f"{scheme} dequantize"]:
+        if ms[f"{scheme} {kernel}"] >= ms[f"{scheme} dequantize"]:
             break
         best = rows
     return best
@@ -88,20 +99,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     args = parser.parse_args()
     if cpu_ops() is None:
         raise SystemExit("error: the CPU kernel is not available here (needs AVX2 and a C++ compiler)")
     shapes = {}
-    for name, (N, K) in SHAPES.items():
-        by_rows = {rows: time_shape(N, K, rows, args.repeats) for rows in ROWS}
+    for name in args.shapes:
+        N, K = SHAPES[name]
+        by_rows = {rows: time_shape(N, K, rows, args.repeats) for rows in args.rows}
         shapes[name] = {"N": N, "K": K,
                         "ms_per_call": {rows: {w: round(ms, 4) for w, ms in r.items()} for rows, r in by_rows.items()},
                         "speedup_over_fp32": {rows: {w: round(r["fp32"] / ms, 2) for w, ms in r.items() if w != "fp32"}
                                               for rows, r in by_rows.items()},
-                        "kernel_beats_dequantize_up_to_rows": {s: kernel_wins_up_to(by_rows, s) for s in ("int8", "int4")}}
+                        "kernel_beats_dequantize_up_to_rows": {f"{s} {k}": kernel_wins_up_to(by_rows, s, k)
+                                                               for s in SCHEMES for k in ("kernel", "kernel int8-x")}}
         print(name, json.dumps(shapes[name]["speedup_over_fp32"]), shapes[name]["kernel_beats_dequantize_up_to_rows"])
-    result = {"command": f"python -m kernels.bench_quant_matmul {args.out} --repeats {args.repeats}",
-              "git_revision": git_revision(), "machine": machine(),
+    shape_names = " ".join(f'"{name}"' for name in args.shapes)
+    result = {"command": f"python -m kernels.bench_quant_matmul {args.out} --repeats {args.repeats} "
+                         f"--shapes {shape_names} --rows {' '.join(map(str, args.rows))}",
+              "git_revision": git_revision(), "machine": machine(), "int8_dot_isa": cpu_ops().int8_dot_isa(""),
               "group_size": GROUP_SIZE, "cpu_kernel_max_rows": CPU_KERNEL_MAX_ROWS, "shapes": shapes}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

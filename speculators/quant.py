@@ -8,6 +8,11 @@ int8, int4, gptq_int4 and fp8 are weight-only: activations stay in the target's 
   in 0..15, z = min + 8 s, W ~ (q - 8) s + z (PyTorch's int4 convention).
 - gptq_int4: the int4 format, its levels chosen by GPTQ on calibration text (speculators/gptq.py).
 - fp8: per output channel, s[n] = max_k |W[n, k]| / 448 (the largest e4m3 value), q = e4m3(W / s).
+- gguf: no rounding here: a GGUF file's own blocks (speculators/gguf_weights.py), Q4_1 as int4 in groups
+  of 32 and Q8_0 as int8 with one scale per 32 columns, dequantizing bit for bit to the weights the
+  target was converted with (speculators/gguf_file.py). Every tensor the file stores quantized is
+  served from its blocks, embeddings and lm_head included (quantize_embeddings and quantize_lm_head do
+  not apply); a tied embedding and lm_head share one module.
 - w8a8: int8 weights as above, and each row (token) of x rounded at run time to 129 levels:
   a[m] = max_k |x[m, k]|, x ~ p (2/127) a[m] with p = round(x / a[m] / (2/127)) in -64..64, so the
   integer matmul does the work. About 7 bits, not 8: the x86 operator (fbgemm) multiplies uint8 by
@@ -22,11 +27,20 @@ says so; else on the CPU by `cpu_matmul`:
   aten._weight_int4pack_mm_for_cpu, which needs N % 16 == 0 and a group size of 32..256, and its own
   weight layout, chosen when the layer is quantized and undone when it leaves the CPU). On our
   2-core CPU they cost about 0.2 ms per row of x for a 688 x 256 layer (10x a dense fp32 matmul for
-  one row): inference/results/quant_bench.json. CPUs with AVX-512 or AMX may differ: measure with
+  one row): results/pycode/quant_bench.json. CPUs with AVX-512 or AMX may differ: measure with
   inference.quant_bench.
 fp8 always dequantizes (PyTorch has no weight-only fp8 CPU operator).
+`activations` (int8, int4, gptq_int4, gguf): exact multiplies x as it is; int8 first rounds each block of
+32 columns of each row of x to int8 levels with its own scale (kernels.quant_matmul.round_activation_blocks,
+llama.cpp's Q8_0 arithmetic), on every path, so that the CPU kernel multiplies integers (2-2.5x its
+exact path on SmolLM2's larger layers; a decode step of SmolLM2-135M at context 256 on 1 thread: 27 ms
+of CPU against 45 exact), what llama.cpp computes with the same file. Off by default, for its price: SmolLM2's logits move by 0.16 on average (top-1 agrees with the fp32 target at
+98.7% of 224 chat tokens), and, as with w8a8, rounding turns the 1e-7 differences between a 1-token and
+a (k+1)-token forward (attention) into level steps that grow through the layers: there a 6-token pass
+and six 1-token steps pick different argmaxes at 3 of 306 chat positions (exact: none), so greedy
+speculation is lossless in distribution but not always token-identical to target-only decoding.
 w8a8 on the CPU always runs fbgemm's dynamic int8 operator (quantized::linear_dynamic, its reason to exist:
-2.99x fp32 decoding on a 369M model here, inference/results/quant_bench_370m_kernel.json), elsewhere (GPUs, CPUs without fbgemm)
+2.99x fp32 decoding on a 369M model here, results/pycode/quant_bench_370m_kernel.json), elsewhere (GPUs, CPUs without fbgemm)
 the same math in torch: activations rounded as above, then kernels.quant_matmul. fbgemm picks one
 activation scale for the whole batch; dividing each row by its own a[m] and appending one pinning row
 [1, -1, 0, ...] fixes that scale at 2/127 (and its zero point), so a row's result never depends on
@@ -40,6 +54,7 @@ The quantized modules expose `weight`, the dequantized fp32 matrix, for code tha
 
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -47,12 +62,13 @@ from torch import nn
 from tqdm import tqdm
 
 import kernels
-from kernels.quant_matmul import dequantize, pack_int4
-from speculators import gptq
+from kernels.quant_matmul import ACT_BLOCK, dequantize, pack_int4, round_activation_blocks, round_to_nearest_int4
+from speculators import gguf_weights, gptq
 from speculators.config import UserError, one_of, require
 
-QUANT_SCHEMES = ("none", "int8", "int4", "gptq_int4", "fp8", "w8a8")
+QUANT_SCHEMES = ("none", "int8", "int4", "gptq_int4", "fp8", "w8a8", "gguf")
 CPU_MATMULS = ("kernel", "dequantize", "packed")
+ACTIVATIONS = ("exact", "int8")
 INT8_OP = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 INT4_PACK_OP = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
 INT4_OP = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
@@ -66,20 +82,29 @@ ACT_LEVELS = 127  # w8a8 activations: a step of 2/127 of the row's max |x|, leve
 class QuantConfig:
     scheme: str = "none"  # quantization of the target's linear layers: weight-only, or w8a8 (weights and activations)
     group_size: int = 32  # int4, gptq_int4: input columns sharing one scale and zero; must divide every quantized width
-    quantize_embeddings: bool = False  # also the input embeddings (rows dequantized on lookup)
-    quantize_lm_head: bool = False  # also the output projection
+    quantize_embeddings: bool = False  # also the input embeddings (rows dequantized on lookup); gguf: as the file stores them
+    quantize_lm_head: bool = False  # also the output projection; gguf: as the file stores it
     cpu_matmul: str = "kernel"  # on the CPU: our int8/int4 kernel for few rows, dequantize + dense matmul, or PyTorch's packed operators
     calibration_sequences: int = 32  # gptq_int4: 256-token pieces of the stdlib train split for GPTQ's statistics
+    activations: str = "exact"  # int8, int4, gptq_int4, gguf: x as is (exact) or rounded to int8 per 32 columns (int8)
 
     def __post_init__(self):
         one_of("quant.scheme", self.scheme, QUANT_SCHEMES)
         one_of("quant.cpu_matmul", self.cpu_matmul, CPU_MATMULS)
+        one_of("quant.activations", self.activations, ACTIVATIONS)
+        require(self.activations != "int8" or self.scheme not in ("fp8", "w8a8"), "quant.activations", self.activations,
+                f"exact with quant.scheme={self.scheme}")
         require(self.group_size >= 2 and self.group_size % 2 == 0, "quant.group_size", self.group_size,
                 "an even number >= 2 (two int4 values share a byte)")
         require(isinstance(self.calibration_sequences, int) and self.calibration_sequences >= 1,
                 "quant.calibration_sequences", self.calibration_sequences, "an integer >= 1")
         for key in ("quantize_embeddings", "quantize_lm_head"):
             require(isinstance(getattr(self, key), bool), f"quant.{key}", getattr(self, key), "true or false")
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether weight-only layers round x to int8 blocks (`activations`, module doc)."""
+        return self.activations == "int8"
 
 
 # --- quantized modules -------------------------------------------------------------------------
@@ -106,45 +131,48 @@ class QuantizedLinear(nn.Module):
 
 
 class WeightOnlyInt8Linear(QuantizedLinear):
-    def __init__(self, weight, bias, cpu_matmul: str = "kernel"):
+    def __init__(self, weight, bias, cpu_matmul: str = "kernel", levels=None, int8_activations: bool = False):
+        """levels: (q int8 [N, K], scales [N, K/g]) read elsewhere (a GGUF file's Q8_0 blocks); None: one
+        scale per row, round to nearest. int8_activations: x rounded per block (module doc)."""
         super().__init__(weight, bias)
-        self.cpu_packed = cpu_matmul == "packed" and INT8_OP is not None  # the same int8 layout serves all paths
+        if levels is None:
+            w = weight.detach().float()
+            scales = w.abs().amax(1).clamp(min=1e-12) / 127
+            q, self.group_size = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), None
+        else:
+            q, scales = levels
+            self.group_size = self.in_features // scales.shape[1]
+        # PyTorch's int8 operator takes one scale per row; the same int8 layout serves every other path
+        self.cpu_packed = cpu_matmul == "packed" and INT8_OP is not None and self.group_size is None
         self.cpu_kernel = cpu_matmul == "kernel"
-        w = weight.detach().float()
-        scales = w.abs().amax(1).clamp(min=1e-12) / 127
-        self.register_buffer("qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        self.int8_activations = int8_activations
+        self.register_buffer("qweight", q)
         self.register_buffer("scales", scales)
 
     def matmul(self, x):
         if self.cpu_packed and not kernels.use_triton(x):
-            return INT8_OP(x, self.qweight, self.scales.to(x.dtype))
-        return kernels.quant_matmul(x, self.qweight, self.scales, cpu_kernel=self.cpu_kernel)
+            return INT8_OP(rounded(x, self.int8_activations), self.qweight, self.scales.to(x.dtype))
+        return kernels.quant_matmul(x, self.qweight, self.scales, None, self.group_size, self.cpu_kernel,
+                                    self.int8_activations)
 
     def rows(self, ids):
-        return dequantize(self.qweight[ids], self.scales[ids])
+        return dequantize(self.qweight[ids], self.scales[ids], None, self.group_size)
 
     def cpu_op(self) -> str:
-        return "aten._weight_int8pack_mm" if self.cpu_packed else cpu_path(self.cpu_kernel)
-
-
-def round_to_nearest_int4(weight: torch.Tensor, group_size: int):
-    """(q [N, K] in 0..15, scales, zeros [N, K/g]): each weight to its nearest level (module doc)."""
-    N, K = weight.shape
-    w = weight.detach().float().view(N, K // group_size, group_size)
-    low, high = w.amin(-1), w.amax(-1)
-    scales = (high - low).clamp(min=1e-12) / 15
-    q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).view(N, K)
-    return q, scales, low + 8 * scales
+        return "aten._weight_int8pack_mm" if self.cpu_packed else cpu_path(self.cpu_kernel, self.int8_activations)
 
 
 class WeightOnlyInt4Linear(QuantizedLinear):
-    def __init__(self, weight, bias, group_size: int, cpu_matmul: str = "kernel", levels=None):
-        """levels: (q, scales, zeros) chosen elsewhere (GPTQ); None: round to nearest."""
+    def __init__(self, weight, bias, group_size: int, cpu_matmul: str = "kernel", levels=None,
+                 int8_activations: bool = False):
+        """levels: (q, scales, zeros) chosen elsewhere (GPTQ); None: round to nearest. int8_activations: x
+        rounded per block (module doc)."""
         super().__init__(weight, bias)
         N, K = weight.shape
         q, scales, zeros = levels if levels is not None else round_to_nearest_int4(weight, group_size)
         self.group_size = group_size
         self.cpu_kernel = cpu_matmul == "kernel"
+        self.int8_activations = int8_activations
         self.cpu_packed = (cpu_matmul == "packed" and INT4_OP is not None and INT4_PACK_OP is not None and not kernels.INTERPRET
                            and weight.device.type == "cpu" and group_size in INT4_OP_GROUPS and N % 16 == 0)
         if self.cpu_packed:  # PyTorch's CPU operator: its own packing of q, and (s, z) as one [K/g, N, 2] tensor
@@ -157,8 +185,9 @@ class WeightOnlyInt4Linear(QuantizedLinear):
 
     def matmul(self, x):
         if self.cpu_packed:
-            return INT4_OP(x, self.qweight, self.group_size, self.scales_and_zeros.to(x.dtype))
-        return kernels.quant_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, self.cpu_kernel)
+            return INT4_OP(rounded(x, self.int8_activations), self.qweight, self.group_size, self.scales_and_zeros.to(x.dtype))
+        return kernels.quant_matmul(x, self.qweight, self.scales, self.zeros, self.group_size, self.cpu_kernel,
+                                    self.int8_activations)
 
     def unpack(self) -> None:
         """Back to kernels.quant_matmul's format, exactly: q = (W - z) / s + 8 with W read through the operator."""
@@ -185,7 +214,7 @@ class WeightOnlyInt4Linear(QuantizedLinear):
         return dequantize(self.qweight[ids], self.scales[ids], self.zeros[ids], self.group_size)
 
     def cpu_op(self) -> str:
-        return "aten._weight_int4pack_mm_for_cpu" if self.cpu_packed else cpu_path(self.cpu_kernel)
+        return "aten._weight_int4pack_mm_for_cpu" if self.cpu_packed else cpu_path(self.cpu_kernel, self.int8_activations)
 
 
 class WeightOnlyFp8Linear(QuantizedLinear):
@@ -250,9 +279,16 @@ class DynamicInt8Linear(WeightOnlyInt8Linear):
         return "quantized.linear_dynamic (fbgemm)" if self.fbgemm is not None else "rounded activations + dequantize + matmul"
 
 
-def cpu_path(kernel: bool) -> str:
+def cpu_path(kernel: bool, int8_activations: bool = False) -> str:
     """What a weight-only layer runs on the CPU without PyTorch's packed operators."""
+    if int8_activations:
+        return "int8-activation kernel (few rows) or int8 x + dequantize + matmul" if kernel else "int8 x + dequantize + matmul"
     return "int8/int4 kernel (few rows) or dequantize + matmul" if kernel else "dequantize + matmul"
+
+
+def rounded(x: torch.Tensor, int8_activations: bool) -> torch.Tensor:
+    """x for PyTorch's packed operators: rounded per block if the layer rounds its activations."""
+    return round_activation_blocks(x) if int8_activations else x
 
 
 def prepack_fbgemm(qweight: torch.Tensor, scales: torch.Tensor):
@@ -299,13 +335,16 @@ class Int8Handler:
         self.cfg = cfg
 
     def check(self, name: str, width: int) -> None:
-        pass  # per channel: any width
+        """Per channel: any width, unless x is rounded in blocks."""
+        if self.cfg.int8_activations and width % ACT_BLOCK:
+            raise UserError(f"quant.activations=int8 rounds x in blocks of {ACT_BLOCK} columns: the input width {width} "
+                            f"of {name} is not a multiple; use quant.activations=exact")
 
     def prepare(self, model: nn.Module, chosen: list[tuple[str, nn.Module]], tokenizer) -> None:
         pass  # round to nearest needs nothing but the weights
 
     def convert(self, name: str, weight, bias, cpu_matmul: str) -> QuantizedLinear:
-        return WeightOnlyInt8Linear(weight, bias, cpu_matmul)
+        return WeightOnlyInt8Linear(weight, bias, cpu_matmul, int8_activations=self.cfg.int8_activations)
 
     def convert_table(self, name: str, weight) -> QuantizedLinear:
         """An embedding table: looked up row by row, never multiplied."""
@@ -314,12 +353,14 @@ class Int8Handler:
 
 class Int4Handler(Int8Handler):
     def check(self, name, width):
+        super().check(name, width)
         if width % self.cfg.group_size:
             raise UserError(f"quant.group_size={self.cfg.group_size} does not divide the input width {width} of "
                             f"{name}; choose a divisor of it")
 
     def convert(self, name, weight, bias, cpu_matmul):
-        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_matmul)
+        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_matmul,
+                                    int8_activations=self.cfg.int8_activations)
 
 
 class GptqInt4Handler(Int4Handler):
@@ -336,7 +377,8 @@ class GptqInt4Handler(Int4Handler):
         return super().convert(name, weight, None, cpu_matmul="dequantize")  # no inputs to calibrate on: round to nearest
 
     def convert(self, name, weight, bias, cpu_matmul):
-        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_matmul, self.levels.pop(name))
+        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_matmul, self.levels.pop(name),
+                                    self.cfg.int8_activations)
 
 
 class Fp8Handler(Int8Handler):
@@ -352,40 +394,82 @@ class W8A8Handler(Int8Handler):
         return WeightOnlyInt8Linear(weight, None)  # lookups have no activations to round
 
 
+class GgufHandler(Int8Handler):
+    """The GGUF file's own blocks (speculators/gguf_weights.py), one module per GGUF tensor: a tied
+    embedding table and lm_head share theirs. None for a tensor that stays as loaded."""
+
+    def __init__(self, cfg, path: Path):
+        super().__init__(cfg)
+        self.weights = gguf_weights.GgufWeights(path)
+        self.built = {}
+
+    def check(self, name, width):
+        self.weights.check(name)
+
+    def convert(self, name, weight, bias, cpu_matmul):
+        tensor = self.weights.tensor_name(name)
+        if tensor not in self.built:
+            self.built[tensor] = self.build(name, weight, bias, cpu_matmul)
+        return self.built[tensor]
+
+    def convert_table(self, name, weight):
+        return self.convert(name, weight, None, self.cfg.cpu_matmul)  # the table a tied lm_head multiplies by
+
+    def build(self, name, weight, bias, cpu_matmul) -> QuantizedLinear | None:
+        found = self.weights.levels(name)
+        if found is None:
+            return None
+        kind, levels = found
+        if kind == "Q4_1":
+            return WeightOnlyInt4Linear(weight, bias, gguf_weights.BLOCK, cpu_matmul, levels, self.cfg.int8_activations)
+        return WeightOnlyInt8Linear(weight, bias, cpu_matmul, levels, self.cfg.int8_activations)
+
+
 HANDLERS = {"int8": Int8Handler, "int4": Int4Handler, "gptq_int4": GptqInt4Handler, "fp8": Fp8Handler,
             "w8a8": W8A8Handler}
 
 
-def quantize(model: nn.Module, cfg: QuantConfig, tokenizer=None) -> nn.Module:
+def check_gguf_source(cfg: QuantConfig, gguf_file: Path | None) -> None:
+    """quant=gguf serves the blocks of the GGUF file the target was converted from: it needs that file."""
+    if cfg.scheme == "gguf" and gguf_file is None:
+        raise UserError("quant.scheme=gguf serves a GGUF file's own quantized weights: set target.gguf_file "
+                        "(this target is not loaded from one), or choose another quant.scheme")
+
+
+def quantize(model: nn.Module, cfg: QuantConfig, tokenizer=None, gguf_file: Path | None = None) -> nn.Module:
     """Replace `model`'s linear layers (and embeddings / lm_head if configured) in place; returns it.
-    `tokenizer` reads gptq_int4's calibration text."""
+    `tokenizer` reads gptq_int4's calibration text; `gguf_file` is the file gguf's blocks come from."""
     if cfg.scheme == "none":
         return model
+    check_gguf_source(cfg, gguf_file)
     existing = getattr(model.config, "quantization_config", None)
     if existing is not None:
         method = existing.get("quant_method") if isinstance(existing, dict) else getattr(existing, "quant_method", "?")
         raise UserError(f"quant.scheme={cfg.scheme}: the target is already quantized ({method}); "
                         f"load it with quant.scheme=none")
-    handler = HANDLERS[cfg.scheme](cfg)
+    handler = GgufHandler(cfg, gguf_file) if cfg.scheme == "gguf" else HANDLERS[cfg.scheme](cfg)
     chosen = layers_to_quantize(model, cfg)
     for name, module in chosen:  # every check before any change
         handler.check(name, module.weight.shape[1])
     handler.prepare(model, chosen, tokenizer)
     for name, module in chosen:
         if isinstance(module, nn.Embedding):
-            new = QuantizedEmbedding(handler.convert_table(name, module.weight), module.weight.dtype)
+            table = handler.convert_table(name, module.weight)
+            new = None if table is None else QuantizedEmbedding(table, module.weight.dtype)
         else:
             new = handler.convert(name, module.weight, module.bias, cfg.cpu_matmul)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, new)
+        if new is not None:  # None: gguf keeps a tensor the file stores unquantized as loaded
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, new)
     return model
 
 
 def layers_to_quantize(model: nn.Module, cfg: QuantConfig) -> list[tuple[str, nn.Module]]:
     lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    from_file = cfg.scheme == "gguf"  # the file says which tensors are quantized, embeddings and lm_head too
     return [(name, m) for name, m in model.named_modules()
-            if (isinstance(m, nn.Linear) and (m is not lm_head or cfg.quantize_lm_head))
-            or (m is embed and cfg.quantize_embeddings)]
+            if (isinstance(m, nn.Linear) and (m is not lm_head or cfg.quantize_lm_head or from_file))
+            or (m is embed and (cfg.quantize_embeddings or from_file))]
 
 
 def weight_bytes(model: nn.Module) -> int:

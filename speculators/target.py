@@ -22,15 +22,17 @@ from accelerate.utils.modeling import align_module_device
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from speculators import gguf_file
 from speculators.config import UserError, one_of, require
-from speculators.quant import QuantConfig, quantize
+from speculators.quant import QuantConfig, check_gguf_source, quantize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class TargetConfig:
-    name_or_path: str = "???"  # a local folder or a hub id
+    name_or_path: str | None = None  # a local folder or a hub id
+    gguf_file: str | None = None  # instead: a GGUF file, or <package>/<file> in an installed package (speculators/gguf_file.py)
     layer_ids: list[int] | None = None  # EAGLE-3 feature layers; None: [2, L//2, L-3]
     dtype: str = "float32"  # float32 on CPUs, where bf16 arithmetic is ~30x slower
     trust_remote_code: bool = False
@@ -39,11 +41,23 @@ class TargetConfig:
     offload_folder: str | None = None  # disk for the layers that fit nowhere else (device_map only)
 
     def __post_init__(self):
+        require((self.name_or_path is None) != (self.gguf_file is None), "target.name_or_path", self.name_or_path,
+                "set when target.gguf_file is not, and null when it is (one source of weights)")
         one_of("target.dtype", self.dtype, DTYPES)
         one_of("target.device_map", self.device_map, (None, "auto", "balanced", "balanced_low_0", "sequential"))
         for key in ("max_memory", "offload_folder"):
             require(getattr(self, key) is None or self.device_map is not None, f"target.{key}", getattr(self, key),
                     "null unless target.device_map is set (it places the layers)")
+
+    @classmethod
+    def named(cls, name: str, **options) -> "TargetConfig":
+        """The target an export records: a GGUF file spec (ends with .gguf) or a folder / hub id."""
+        return cls(gguf_file=name, **options) if name.endswith(".gguf") else cls(name_or_path=name, **options)
+
+    @property
+    def name(self) -> str:
+        """What exports and reports record as the target."""
+        return self.gguf_file or self.name_or_path
 
     def big_model_options(self) -> dict:
         """from_pretrained's keyword arguments for accelerate's placement, if asked for."""
@@ -98,23 +112,26 @@ class FrozenTarget:
         if cfg.device_map is not None and quant.scheme != "none":
             raise UserError(f"quant.scheme={quant.scheme} with target.device_map={cfg.device_map}: quantization "
                             f"replaces layers that accelerate has placed; use one or the other")
+        source = gguf_file.locate(cfg.gguf_file) if cfg.gguf_file else None
+        check_gguf_source(quant, source)  # before the weights load
+        folder = gguf_file.converted_folder(cfg.gguf_file) if cfg.gguf_file else cfg.name_or_path
         try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
-            config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
             num_layers = config.num_hidden_layers
             config.num_hidden_layers = num_layers if layers else 0
             verbosity = hf_logging.get_verbosity()
             hf_logging.set_verbosity_error()  # without layers, transformers reports every layer weight as unexpected
             try:
-                model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=config, dtype=DTYPES[cfg.dtype],
+                model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=DTYPES[cfg.dtype],
                                                              trust_remote_code=cfg.trust_remote_code,
                                                              **cfg.big_model_options())
             finally:
                 hf_logging.set_verbosity(verbosity)
         except (OSError, ValueError) as e:
-            raise UserError(f"cannot load target {cfg.name_or_path!r}: {str(e).splitlines()[0]}") from None
+            raise UserError(f"cannot load target {cfg.name!r}: {str(e).splitlines()[0]}") from None
         model.config.num_hidden_layers = num_layers  # what the drafter and the exports describe is the whole target
-        return cls(quantize(model, quant, tokenizer), tokenizer, cfg.name_or_path, cfg.layer_ids, layers)
+        return cls(quantize(model, quant, tokenizer, source), tokenizer, cfg.name, cfg.layer_ids, layers)
 
     @property
     def placed(self) -> bool:

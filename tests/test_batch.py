@@ -19,7 +19,7 @@ from conftest import LAYER_IDS
 from test_engine import ALPHA, chi2_sf, chi_square, tiny_target
 from test_medusa import make_medusa
 
-from inference import engine, report
+from inference import engine, evalsets, report
 from inference.drafting import ChainProposer, DraftingConfig, make_batch_proposer
 from inference.engine import generate, generate_batch
 from inference.sessions import HFSession
@@ -234,7 +234,8 @@ def test_tree_drafts_and_parallel_drafters_refuse_batches_in_one_line(llama_targ
 def test_report_groups_prompts_by_batch_size_and_keeps_its_shape(llama_target, make_drafter):
     texts = ["def f(x):\n    return", "import json\n", "class A:\n    def __init__(self):\n"]
     drafter = make_drafter(llama_target)
-    reports = [report.measure(llama_target, drafter, texts, report.InferenceConfig(
+    prompts = evalsets.prompts_of([[text] for text in texts], None, llama_target, 10)
+    reports = [report.measure(llama_target, drafter, prompts, report.InferenceConfig(
         drafter="x", max_new_tokens=10, num_speculative_tokens=3, batch_size=size)) for size in (1, 2)]
     one, two = reports
     assert one.keys() == two.keys() and two["config"]["batch_size"] == 2

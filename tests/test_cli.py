@@ -97,7 +97,8 @@ def test_bad_value_is_a_one_line_error(tmp_path):
 
 def test_progress_bar_on_a_terminal_lines_otherwise(tmp_path, monkeypatch):
     from train.callbacks import ProgressLines
-    from train.run import TrainerConfig, make_trainer
+    from train.recipes import TrainerConfig
+    from train.trainer import make_trainer
 
     def progress(progress_bar: bool, terminal: bool) -> tuple[bool, bool]:
         monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)

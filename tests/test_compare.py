@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from inference import compare, report
+from inference import compare, evalsets, report
 from speculators import export
 from speculators.config import UserError
 
@@ -29,7 +29,7 @@ def exports(llama_target, make_drafter, tmp_path_factory):
 
 
 def test_rows_per_drafter_and_mode_with_measure_s_figures(llama_target, exports, tokenizer, tmp_path):
-    cfg = compare.CompareConfig(drafters=exports, modes=["chain", "tree"], num_prompts=2, max_new_tokens=12,
+    cfg = compare.CompareConfig(drafters=exports, modes=["chain", "tree"], max_new_tokens=12,
                                 num_speculative_tokens=3, repeats=2)
     drafters = [(p, export.load(Path(p))[0].eval(), export.training_record(p)) for p in exports]
     prompts = [tokenizer("import os\nimport sys\n")["input_ids"], tokenizer("def main():\n    return")["input_ids"]]
@@ -45,9 +45,9 @@ def test_rows_per_drafter_and_mode_with_measure_s_figures(llama_target, exports,
         assert 0 <= r["acceptance_length_stderr"] < 1 and 0 < r["draft_vocabulary_coverage"] <= 1
         assert max(r["acceptance_rate_per_position"]) <= 1
     # The chain rows are the figures `python -m inference` reports for the same drafter and prompts.
-    texts = [tokenizer.decode(p) for p in prompts]
+    served = [evalsets.Prompt(ids, 1, tokenizer.decode(ids)) for ids in prompts]
     for (path, drafter, _), row in zip(drafters, (table[1], table[3])):
-        alone = report.measure(llama_target, drafter, texts, report.InferenceConfig(
+        alone = report.measure(llama_target, drafter, served, report.InferenceConfig(
             drafter=path, max_new_tokens=12, num_speculative_tokens=3))
         assert row["acceptance_length"] == pytest.approx(alone["acceptance_length"])
         assert row["acceptance_rate_per_position"] == pytest.approx(alone["acceptance_rate_per_position"])
@@ -82,16 +82,28 @@ def test_vocabulary_coverage_counts_target_tokens_the_drafter_can_propose():
 
 @pytest.mark.parametrize("bad, message", [({"drafters": []}, "at least one"),
                                           ({"drafters": ["x"], "modes": ["beam"]}, "drafting.mode"),
-                                          ({"drafters": ["x"], "repeats": 0}, "repeats")])
+                                          ({"drafters": ["x"], "repeats": 0}, "repeats"),
+                                          ({"drafters": ["x"], "num_speculative_tokens": 0}, "num_speculative_tokens")])
 def test_bad_config_is_a_user_error(bad, message):
     with pytest.raises(UserError, match=message):
         compare.CompareConfig(**bad)
 
 
+def test_config_file_mirrors_the_dataclass():
+    from test_config import CONF, composed
+
+    from speculators.config import to_dataclass
+
+    cfg = to_dataclass(compare.CompareConfig, composed(["drafters=[x]"], CONF / "inference", "compare"))
+    assert cfg == compare.CompareConfig(drafters=["x"]) and cfg.num_speculative_tokens is None
+    chosen = composed(["drafters=[x]", "eval=mtbench", "eval.num_prompts=4"], CONF / "inference", "compare")
+    assert to_dataclass(compare.CompareConfig, chosen).eval == evalsets.EvalConfig("mtbench", num_prompts=4, turns=2)
+
+
 def test_cli_end_to_end(llama_dir, exports, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
     result = subprocess.run([sys.executable, "-m", "inference.compare", f"drafters=[{exports[0]},{exports[1]}]",
-                             f"target={llama_dir}", "num_prompts=1", "prompt_lines=2", "max_new_tokens=6",
+                             f"target={llama_dir}", "eval.num_prompts=1", "eval.prompt_lines=2", "max_new_tokens=6",
                              "num_speculative_tokens=2", "repeats=1", f"out={tmp_path}"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -9,7 +9,7 @@ from inference.bench import BenchConfig
 from inference.report import InferenceConfig
 from speculators.config import UserError, to_dataclass
 from speculators.families import family
-from train.run import RECIPES
+from train.recipes import RECIPES
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -73,3 +73,20 @@ def test_bad_model_shape_for_pretraining_names_the_rule():
 def test_bad_inference_values_fail_with_one_line(override, key):
     with pytest.raises(UserError, match=key):
         to_dataclass(InferenceConfig, composed(["drafter=x", override], CONF / "inference"))
+
+
+def test_resume_continues_in_the_run_directory_it_names(tmp_path):
+    """A resumed run writes its checkpoints, logs and export where the run began, not in a new timestamped
+    folder; hydra.run.dir still wins when given."""
+    run = tmp_path / "my-run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    for resume in (run, run / "checkpoints" / "last.ckpt"):
+        with initialize_config_dir(str(CONF), version_base="1.3"):
+            cfg = compose("config", overrides=[f"resume={resume}"], return_hydra_config=True)
+        assert cfg.hydra.run.dir == str(run)
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        fresh = compose("config", return_hydra_config=True)
+        chosen = compose("config", overrides=[f"resume={run}", f"hydra.run.dir={tmp_path / 'elsewhere'}"],
+                         return_hydra_config=True)
+    assert fresh.hydra.run.dir.startswith("runs/") and chosen.hydra.run.dir == str(tmp_path / "elsewhere")

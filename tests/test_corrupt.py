@@ -13,7 +13,7 @@ from test_resume import train
 from speculators import export
 from speculators.config import UserError
 from speculators.export import Verifier
-from train.run import AtomicCheckpointIO
+from train.trainer import AtomicCheckpointIO
 
 
 @pytest.fixture(scope="module")

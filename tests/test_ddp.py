@@ -30,7 +30,8 @@ from speculators.target import FrozenTarget, TargetConfig
 from train.data import DataConfig, TextDataModule
 from train.module import DrafterModule
 from train.optim import OptimConfig
-from train.run import TrainerConfig, fit, make_trainer
+from train.recipes import TrainerConfig
+from train.trainer import fit, make_trainer
 
 SEQ_LEN = 32
 GLOBAL_BATCH = 4

@@ -16,8 +16,8 @@ def test_report_files_and_an_offline_wandb_run(llama_dir, llama_target, make_dra
     out = tmp_path / "report"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
     env.pop("WANDB_MODE", None)
-    result = subprocess.run([sys.executable, "-m", "inference", f"drafter={drafter_dir}", "num_prompts=2",
-                             "prompt_lines=2", "max_new_tokens=8", "num_speculative_tokens=2", f"out={out}",
+    result = subprocess.run([sys.executable, "-m", "inference", f"drafter={drafter_dir}", "eval.num_prompts=2",
+                             "eval.prompt_lines=2", "max_new_tokens=8", "num_speculative_tokens=2", f"out={out}",
                              "logger.kind=wandb", "logger.mode=offline", "logger.project=test"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -43,3 +43,47 @@ def test_quant_serves_the_training_recipes_quantized_targets():
         int4 = to_dataclass(InferenceConfig, compose("config", ["drafter=x", "quant=int4", "quant.group_size=64"]))
     assert default.quant == QuantConfig()
     assert int4.quant == QuantConfig(scheme="int4", group_size=64)
+
+
+def test_a_drafter_trained_with_three_steps_is_served_with_k_3(llama_dir, tmp_path, monkeypatch):
+    """drafter.ttt_steps=3: the export says 3, and every inference command drafts 3 tokens unless told otherwise."""
+    from test_reliability import copy_small_stdlib, replace_key, run_in_process, tiny_inference, tiny_training
+
+    from inference import bench, compare, evalsets, parity, quant_report, report
+
+    run_dir, stdlib = tmp_path / "run", tmp_path / "stdlib"
+    stdlib.mkdir()
+    args = replace_key(tiny_training(llama_dir, copy_small_stdlib(stdlib), run_dir), "drafter.ttt_steps=3")
+    code, stderr = run_in_process("train", args, monkeypatch)
+    assert code in (0, None), stderr
+    exported = run_dir / "export"
+    methods = json.loads((exported / "config.json").read_text())["speculators_config"]["proposal_methods"]
+    assert [m["speculative_tokens"] for m in methods] == [3]
+
+    out = tmp_path / "served"
+    args = [a for a in tiny_inference(exported, out) if not a.startswith("num_speculative_tokens=")]
+    code, stderr = run_in_process("inference", args, monkeypatch)
+    assert code in (0, None), stderr
+    served = json.loads((out / "report.json").read_text())
+    assert len(served["acceptance_rate_per_position"]) == 3 and served["config"]["num_speculative_tokens"] == 3
+
+    # The other commands, on one short prompt: the drafter's own K unless num_speculative_tokens says otherwise.
+    drafter, target = report.load_pair(str(exported))
+    prompts = evalsets.prompts_of([["def add(a, b):\n"]], None, target, 4)
+    ids = [p.ids for p in prompts]
+    rows = bench.run(target, drafter, None, ids, bench.BenchConfig(drafter=str(exported), max_new_tokens=4,
+                                                                  modes=["chain"], repeats=1))
+    assert rows["speculative_chain"]["num_speculative_tokens"] == 3
+    rows = compare.methods([(str(exported), drafter, None)], compare.CompareConfig(drafters=[str(exported)]))
+    compare.run(target, rows, ids, compare.CompareConfig(drafters=[str(exported)], max_new_tokens=4, repeats=1))
+    assert [len(r["acceptance_rate_per_position"]) for r in compare.summary(rows)] == [0, 3]
+    assert compare.methods([(str(exported), drafter, None)], compare.CompareConfig(
+        drafters=[str(exported)], num_speculative_tokens=2))[1].k == 2
+    cfg = quant_report.QuantReportConfig(drafter=str(exported), target=str(llama_dir), schemes=["none"],
+                                         max_new_tokens=4, repeats=1)
+    result = quant_report.measure(*quant_report.load(cfg), prompts, cfg)
+    assert result["drafters"]["fp"]["num_speculative_tokens"] == 3 and "3-token chain drafts" in quant_report.markdown(
+        result)
+    # Training's own report served it with K=3, and parity serves the export as that report did.
+    assert len(json.loads((run_dir / "acceptance" / "report.json").read_text())["acceptance_rate_per_position"]) == 3
+    parity.check(str(exported))

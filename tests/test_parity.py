@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference import parity, report
+from inference import evalsets, parity, report
 from inference.engine import generate
 from speculators import export
 from speculators.config import UserError
@@ -39,7 +39,8 @@ def run_dir(llama_target, make_drafter, text_batch, tmp_path_factory):
     export.save(drafter, root / "export", export.Verifier.of(llama_target))
     texts = [llama_target.tokenizer.decode(p) for p in prompts]
     cfg = report.InferenceConfig(drafter=str(root / "export"), max_new_tokens=30, num_speculative_tokens=3)
-    result = report.measure(llama_target, drafter, texts, cfg)
+    result = report.measure(llama_target, drafter, evalsets.prompts_of([[t] for t in texts], None, llama_target, 30),
+                            cfg)
     assert result["acceptance_length"] > 1.5  # the checks below need a drafter that is accepted
     report.write(result, root / "acceptance")
     return root

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference import report
+from inference import evalsets, report
 from inference.quant_report import FULL, STEPS, QuantReportConfig, greedy_agreement, load, markdown, measure, write
 from speculators import export
 from speculators.config import PROJECT_ROOT, UserError, to_dataclass
@@ -57,13 +57,18 @@ def loaded(cfg):
 @pytest.fixture(scope="module")
 def result(cfg, loaded):
     targets, drafters = loaded
-    return measure(targets, drafters, PROMPTS, cfg)
+    return measure(targets, drafters, served(targets[FULL]), cfg)
+
+
+def served(target) -> list[evalsets.Prompt]:
+    """PROMPTS as raw text, as eval=file serves them on a target tokenizer without a chat template."""
+    return evalsets.prompts_of([[text] for text in PROMPTS], None, target, NEW_TOKENS)
 
 
 def tau_of_measure(target, drafter) -> float:
     """tau of the same pair from inference.report.measure, with the report's decoding settings."""
     settings = report.InferenceConfig(drafter="unused", max_new_tokens=NEW_TOKENS, num_speculative_tokens=K)
-    return report.measure(target, drafter, PROMPTS, settings)["acceptance_length"]
+    return report.measure(target, drafter, served(target), settings)["acceptance_length"]
 
 
 def test_report_has_every_row_and_column(result, tmp_path):
@@ -153,9 +158,17 @@ def test_cross_table_serves_the_drafters_it_was_given(result, loaded):
     assert cross["fp_drafter_on_fp_target"]["acceptance_length"] == tau_of_measure(targets[FULL], drafters[FULL])
     assert result["cross"]["int8"]["quantized_drafter_on_quantized_target"] is None  # none given for int8
     assert result["drafters"]["int4"] == {"path": str(result["config"]["quantized_drafters"]["int4"]),
-                                          "trained_against": "int4"}
+                                          "trained_against": "int4", "num_speculative_tokens": K}
     int8_line = next(line for line in markdown(result).splitlines() if line.startswith("| int8 |"))
     assert int8_line.endswith("| - | - |")
+
+
+def test_the_tables_say_how_many_tokens_each_drafter_drafts(result):
+    assert markdown(result).startswith(f"{len(PROMPTS)} prompts, {NEW_TOKENS} new tokens each, greedy, {K}-token "
+                                       f"chain drafts;")
+    drafters = {**result["drafters"], "int4": {**result["drafters"]["int4"], "num_speculative_tokens": K - 1}}
+    assert f"greedy, K-token (full precision drafter {K}, int4 drafter {K - 1}) chain drafts;" in markdown(
+        {**result, "drafters": drafters})
 
 
 @pytest.mark.parametrize("fields, key", [
@@ -166,6 +179,7 @@ def test_cross_table_serves_the_drafters_it_was_given(result, loaded):
     (dict(schemes=["none", "int4"], quantized_drafters={"none": "x"}), "quantized_drafters.none"),
     (dict(group_size=3), "group_size"),
     (dict(max_new_tokens=1), "max_new_tokens"),
+    (dict(num_speculative_tokens=0), "num_speculative_tokens"),
 ])
 def test_bad_config_is_a_one_line_error(fields, key):
     with pytest.raises(UserError) as error:
@@ -203,13 +217,13 @@ def test_config_file_mirrors_the_dataclass():
 
 
 def test_command_line_end_to_end(exports, llama_dir, tmp_path):
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("".join(text.replace("\n", "\\n") + "\n" for text in PROMPTS[:2]))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(text) + "\n" for text in PROMPTS[:2]))
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
     result = subprocess.run(
         [sys.executable, "-m", "inference.quant_report", f"drafter={exports[FULL]}",
-         f"quantized_drafters={{int4:{exports['int4']}}}", f"target={llama_dir}", f"prompts={prompts}",
+         f"quantized_drafters={{int4:{exports['int4']}}}", f"target={llama_dir}", "eval=file", f"eval.path={prompts}",
          "max_new_tokens=8", "num_speculative_tokens=2", "repeats=1", f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

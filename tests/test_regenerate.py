@@ -10,7 +10,7 @@ from test_config import CONF, composed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from speculators.config import UserError, to_dataclass
-from train.data import DataConfig, TextDataModule, load_examples
+from train.data import DataConfig, TextDataModule, load_examples, read_examples
 from train.regenerate import RegenerateConfig, regenerate
 
 MAX_NEW = 6
@@ -51,14 +51,17 @@ def greedy_replies(model, tokenizer, messages: list[dict]) -> list[str]:
     return replies
 
 
-def read(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def read(folder) -> list[dict]:
+    """The conversations of an output folder, shard after shard (as training reads it)."""
+    return list(read_examples(DataConfig(source="file", path=str(folder), layout="messages")))
 
 
 def test_replies_become_the_targets_greedy_generations_and_train(chat_target_dir, chats, tmp_path, capsys):
-    out = regenerate(config(chat_target_dir, chats, tmp_path / "regen.jsonl"))
+    out = regenerate(config(chat_target_dir, chats, tmp_path / "regen", "shard_size=16"))
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "part-00000.jsonl.gz", "part-00001.jsonl.gz",
+                                                      "part-00002.jsonl"]
     assert "cut at max_new_tokens" in capsys.readouterr().out.splitlines()[-1]
-    original, regenerated = read(chats), read(out)
+    original, regenerated = [json.loads(line) for line in chats.read_text().splitlines()], read(out)
     model = AutoModelForCausalLM.from_pretrained(chat_target_dir)
     tokenizer = AutoTokenizer.from_pretrained(chat_target_dir)
     assert [row["id"] for row in regenerated] == [row["id"] for row in original]  # every conversation, in order
@@ -80,18 +83,34 @@ def test_replies_become_the_targets_greedy_generations_and_train(chat_target_dir
 
 
 def test_sampling_follows_the_seed(chat_target_dir, chats, tmp_path):
-    runs = [read(regenerate(config(chat_target_dir, chats, tmp_path / f"{name}.jsonl", *extra)))
+    runs = [read(regenerate(config(chat_target_dir, chats, tmp_path / name, *extra)))
             for name, extra in (("a", ["temperature=1.0"]), ("b", ["temperature=1.0"]), ("greedy", []))]
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
 def test_bad_settings_are_one_line_errors(chat_target_dir, chats, tmp_path):
-    with pytest.raises(UserError, match="out=.*a .jsonl file"):
-        config(chat_target_dir, chats, tmp_path / "regen.parquet")
+    with pytest.raises(UserError, match="out=.*a folder"):
+        config(chat_target_dir, chats, tmp_path / "regen.jsonl")
     with pytest.raises(UserError, match="data.layout='text' is not valid: must be sharegpt or messages"):
-        config(chat_target_dir, chats, tmp_path / "r.jsonl", "data.layout=text")
+        config(chat_target_dir, chats, tmp_path / "r", "data.layout=text")
     with pytest.raises(UserError, match="temperature"):
-        config(chat_target_dir, chats, tmp_path / "r.jsonl", "temperature=-1")
-    (tmp_path / "taken.jsonl").write_text("")
-    with pytest.raises(UserError, match="already exists; pass overwrite=true"):
-        regenerate(config(chat_target_dir, chats, tmp_path / "taken.jsonl"))
+        config(chat_target_dir, chats, tmp_path / "r", "temperature=-1")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="is a folder of other files"):
+        regenerate(config(chat_target_dir, chats, tmp_path / "taken"))
+    with pytest.raises(UserError, match="engine='llamacpp' is not valid: must be transformers unless target.gguf_file"):
+        config(chat_target_dir, chats, tmp_path / "r", "engine=llamacpp")
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(chat_target_dir, chats, tmp_path):
+    """A run that stopped (a cut last line included) continues with the same settings; limit may grow."""
+    whole = read(regenerate(config(chat_target_dir, chats, tmp_path / "whole", "limit=20", "shard_size=8")))
+    out = tmp_path / "part"
+    regenerate(config(chat_target_dir, chats, out, "limit=12", "shard_size=8"))
+    with (out / "part-00001.jsonl").open("a") as f:
+        f.write('{"id": "cut mid-li')  # what a kill during a write leaves
+    assert read(regenerate(config(chat_target_dir, chats, out, "limit=20", "shard_size=8"))) == whole
+    assert json.loads((out / "meta.json").read_text())["conversations"] == 20
+    with pytest.raises(UserError, match="other settings \\(max_new_tokens\\)"):
+        regenerate(config(chat_target_dir, chats, out, "limit=20", "shard_size=8", "max_new_tokens=3"))

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import json
 import os
 import runpy
 import shutil
@@ -38,7 +39,7 @@ from speculators import corpus, export
 from speculators.config import run_cli
 from speculators.export import Verifier
 from speculators.families import family
-from train.run import RECIPES
+from train.recipes import RECIPES
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
@@ -72,7 +73,9 @@ def tiny_training(llama_dir: Path, stdlib: Path, run_dir: Path, recipe: str = "e
                 "data.batch_size=2", "data.max_val_sequences=2", "trainer.max_steps=2", "logger=none",
                 "trainer.progress_bar=false", "model.vocab_size=300", "model.hidden_size=32",
                 "model.intermediate_size=64", "model.num_hidden_layers=2"]
-    return [f"conf={recipe}", f"hydra.run.dir={run_dir}", f"target.name_or_path={llama_dir}",
+    # The groups of the quick recipes, whatever the recipe's own (eagle3_smollm2 serves a GGUF, packed)
+    return [f"conf={recipe}", "target=pycode", "data=stdlib", "quant=none", "eval=data",
+            f"hydra.run.dir={run_dir}", f"target.name_or_path={llama_dir}",
             f"target.layer_ids=[{','.join(map(str, LAYER_IDS))}]", f"data.stdlib_path={stdlib}", "data.seq_len=32",
             "data.batch_size=2", "data.max_val_sequences=2", "trainer.max_steps=2", "trainer.val_every_n_steps=2",
             "trainer.checkpoint_every_n_steps=2", "trainer.progress_bar=false", "serve_eval.every_n_steps=0",
@@ -91,10 +94,10 @@ def tiny_export(llama_target, make_drafter, tmp_path_factory) -> Path:
 
 def tiny_inference(drafter: Path, out: Path) -> list[str]:
     """`python -m inference` overrides for one short prompt."""
-    prompts = out.parent / "prompts.txt"
-    prompts.write_text("def add(a, b):\n")
-    return [f"drafter={drafter}", f"hydra.run.dir={out.parent / 'hydra'}", f"out={out}", f"prompts={prompts}",
-            "num_prompts=1", "max_new_tokens=4", "num_speculative_tokens=2"]
+    prompts = out.parent / "prompts.jsonl"
+    prompts.write_text(json.dumps("def add(a, b):\n") + "\n")
+    return [f"drafter={drafter}", f"hydra.run.dir={out.parent / 'hydra'}", f"out={out}", "eval=file",
+            f"eval.path={prompts}", "max_new_tokens=4", "num_speculative_tokens=2"]
 
 
 def cli_env(**extra: str) -> dict:
@@ -155,12 +158,12 @@ def results_left(run_dir: Path) -> list[str]:
 # --- the property test ----------------------------------------------------------------------
 
 FREE_TEXT = {"logger.project", "logger.name", "out"}  # any text is valid (`out` is created)
-PATHS = {"resume", "target", "target.name_or_path", "data.stdlib_path", "drafter", "prompts"}
+PATHS = {"resume", "target", "target.name_or_path", "data.stdlib_path", "drafter", "eval.path"}
 ZERO_ALLOWED = {"seed", "optim.warmup_steps", "optim.weight_decay", "optim.min_lr_ratio", "optim.beta1",
                 "optim.beta2", "trainer.gradient_clip_val", "serve_eval.every_n_steps", "temperature",
                 "num_speculative_tokens", "drafter.regression_weight", "drafter.distillation_weight",
                 "drafter.input_noise"}
-GROUPS = {"train": ["conf", "target", "data", "quant", "trainer", "logger"], "inference": []}
+GROUPS = {"train": ["conf", "target", "data", "quant", "eval", "trainer", "logger"], "inference": ["quant", "eval"]}
 WEIRD = ["[", "]", "{", "}", "'", "=", "a,b", "${nope}", "${oc.env:SPECULATORS_NO_SUCH_VARIABLE}", "%", "\\\\"]
 
 

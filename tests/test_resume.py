@@ -20,11 +20,13 @@ import torch
 from speculators import draft_vocab
 from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
+from speculators.tracking import LoggerConfig
 from train.callbacks import TrainingRandomState
 from train.data import DataConfig, TextDataModule
 from train.module import DrafterModule
 from train.optim import OptimConfig
-from train.run import LoggerConfig, TrainerConfig, fit, make_logger, make_trainer
+from train.recipes import TrainerConfig
+from train.trainer import fit, make_logger, make_trainer
 
 
 class RecordLosses(L.Callback):

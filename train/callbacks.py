@@ -60,7 +60,7 @@ class ServeEvalCallback(L.Callback):
 
 
 class CheckpointOnSignal(L.Callback):
-    """Lightning stops at the next batch boundary after SIGTERM (train.run.fit turns a first
+    """Lightning stops at the next batch boundary after SIGTERM (train.trainer.fit turns a first
     Ctrl-C into one); write last.ckpt before the run ends."""
 
     def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:

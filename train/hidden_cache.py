@@ -33,6 +33,7 @@ from speculators.config import UserError, exit_on_user_error, run_cli, to_datacl
 from speculators.export import check_writable, move_into_place
 from speculators.target import FrozenTarget
 from train.data import TextDataModule, load_examples
+from train.recipes import DrafterRecipe
 
 STORED = {"bfloat16": torch.bfloat16, "float8_e4m3": torch.float8_e4m3fn, "float32": torch.float32}
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -155,7 +156,6 @@ def open_cache(recipe, target: FrozenTarget, data: TextDataModule) -> HiddenCach
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
-    from train.run import DrafterRecipe
 
     if cfg.get("recipe") != "drafter":
         raise UserError(f"recipe={cfg.get('recipe')}: hidden-state caches are for drafter recipes (conf=eagle3, ...)")

@@ -10,7 +10,7 @@ import copy
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning as L
@@ -19,56 +19,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from speculators import corpus
-from speculators.config import UserError, at_least, require
+from speculators.config import UserError, require
 from train.data import TextDataModule
 from train.optim import OptimConfig, check_finite, configure
+from train.recipes import ModelConfig, PretrainRecipe, UnlikelihoodConfig
+from train.trainer import fit, make_logger, make_trainer
 
 EOS = "<|endoftext|>"
-
-
-@dataclass
-class ModelConfig:
-    """The target's Llama architecture (fields of transformers' LlamaConfig)."""
-
-    vocab_size: int = 4096
-    hidden_size: int = 256
-    intermediate_size: int = 768
-    num_hidden_layers: int = 8
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = True
-
-    def __post_init__(self):
-        at_least(1, model__hidden_size=self.hidden_size, model__intermediate_size=self.intermediate_size,
-                 model__num_hidden_layers=self.num_hidden_layers, model__num_attention_heads=self.num_attention_heads,
-                 model__num_key_value_heads=self.num_key_value_heads)
-        at_least(258, model__vocab_size=self.vocab_size)  # 256 bytes + EOS + at least one merge
-        require(self.hidden_size % self.num_attention_heads == 0, "model.num_attention_heads",
-                self.num_attention_heads, f"a divisor of model.hidden_size ({self.hidden_size})")
-        require(self.num_attention_heads % self.num_key_value_heads == 0, "model.num_key_value_heads",
-                self.num_key_value_heads, f"a divisor of model.num_attention_heads ({self.num_attention_heads})")
-
-
-@dataclass
-class UnlikelihoodConfig:
-    """Sequence-level unlikelihood training (Welleck et al., 2020, "Neural Text Generation with
-    Unlikelihood Training"). Greedy decoding of a small LM falls into loops ("import sys" forever);
-    every `every_n_steps`-th step the model instead continues the first `prefix_len` tokens of its
-    batch greedily for `continuation_len` tokens and is penalised, -log(1 - p), for each token of
-    its continuation inside an n-gram that already occurred in it. The other steps keep the
-    next-token loss, which holds the distribution in place."""
-
-    every_n_steps: int = 0  # 0: plain pretraining; 2: every other step is an unlikelihood step
-    prefix_len: int = 50
-    continuation_len: int = 100  # also the length of the validation's greedy continuations
-    ngram: int = 4
-
-    def __post_init__(self):
-        at_least(0, unlikelihood__every_n_steps=self.every_n_steps)
-        at_least(1, unlikelihood__prefix_len=self.prefix_len, unlikelihood__continuation_len=self.continuation_len)
-        at_least(2, unlikelihood__ngram=self.ngram)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -247,11 +204,7 @@ def save_target(module: CausalLMModule, tokenizer, files, out: Path, tokens_seen
     (out / "training.json").write_text(json.dumps(facts, indent=2))
 
 
-def run_pretrain(recipe, run_dir: Path) -> None:
-    from dataclasses import asdict
-
-    from train.run import fit, make_logger, make_trainer
-
+def run_pretrain(recipe: PretrainRecipe, run_dir: Path) -> None:
     files = corpus.stdlib_files(recipe.data.stdlib_path, recipe.data.include_tests)
     tokenizer = prepare_tokenizer(run_dir, files, recipe.model.vocab_size, recipe.init_from)
     datamodule = TextDataModule(recipe.data, files, tokenizer, recipe.seed)

@@ -1,34 +1,55 @@
 """Replace a chat dataset's assistant replies with the target's own generations, so the drafter
 learns what the target says rather than what another model said:
 
-    python -m train.regenerate target.name_or_path=<chat model> data.path=chats.jsonl data.layout=sharegpt \
-        out=regenerated.jsonl [temperature=0.7] [max_new_tokens=512]
-    python train.py conf=eagle3 data=messages data.path=regenerated.jsonl ...
+    python -m train.regenerate target=smollm2 data=sharegpt split=train out=data/sharegpt-smollm2 \
+        [engine=llamacpp] [temperature=0.7] [max_new_tokens=256] [max_replies=2] [limit=5000]
+    python train.py conf=eagle3 target=smollm2 data=messages data.path=data/sharegpt-smollm2 ...
 
-Every conversation is kept, in order, with its other fields; user and system turns are unchanged.
-Each assistant turn that answers a user turn is generated from the conversation before it, as the
-chat template renders it with a generation prompt, and with the target's own earlier replies. So
-conversations are regenerated turn by turn: first every first reply (batched), then every second.
-The output is JSON Lines in the messages layout that train/data.py reads. Examples are split by a
-hash of their content, so a regenerated conversation may fall in another split than its original.
+Every chosen conversation is kept with its other fields (its "id" keeps it in its original's
+split); user and system turns are unchanged. Each assistant turn that answers a user turn is
+generated from the conversation before it, as the chat template renders it with a generation
+prompt, with the target's own earlier replies. Replies past `max_replies`, or whose prompt is
+longer than `max_prompt_tokens`, are dropped with the turns after them (counted).
+
+Engines: transformers' generate on the target as loaded, or llama.cpp's server on the target's
+GGUF file (engine=llamacpp, inference/llamacpp.py): the same 4-bit weights, several times faster
+here. The data set records which.
+
+Long runs: conversations go in chunks, in the input's order (each engine's `regenerate` says how
+it schedules a chunk's replies). Each finished chunk is appended to the folder `out` (Shards), so
+it is usable at any time and can be committed, and an interrupted run continues where it stopped
+when started again with the same settings (<out>/meta.json records them, the target's fingerprint
+and the engine; a larger `limit` extends a finished folder), on this machine or another.
 """
 
+import contextlib
+import gzip
 import json
 import os
-from dataclasses import dataclass, replace
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import hydra
 import torch
+import transformers
 from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import GenerationConfig
 
-from speculators.config import at_least, exit_on_user_error, require, run_cli, to_dataclass
-from speculators.export import check_writable
+from inference import llamacpp
+from speculators import gguf_file
+from speculators.config import UserError, at_least, exit_on_user_error, one_of, require, run_cli, to_dataclass
+from speculators.corpus import SPLITS
 from speculators.quant import QuantConfig
 from speculators.target import FrozenTarget, TargetConfig
-from train.data import CHAT_FIELDS, DataConfig, chat_template, conversation, read_examples
+from train.data import CHAT_FIELDS, DataConfig, chat_template, conversation, read_examples, split_by_hash
+
+CHUNK_BATCHES = 8  # batches per chunk: what an interruption can lose
+MAX_TURNS = 1000  # sampling seeds: conversation i's reply r draws with seed + MAX_TURNS * i + r
+ENGINES = ("transformers", "llamacpp")
 
 
 @dataclass
@@ -38,74 +59,286 @@ class RegenerateConfig:
     target: TargetConfig
     quant: QuantConfig
     data: DataConfig  # the conversations: source, path, split, layout and chat_template are read
-    out: str  # a .jsonl file
+    out: str  # a folder: shards of the regenerated conversations and meta.json
+    split: str | None = None  # train | validation | test: only that hash split (train/data.py); None: every conversation
+    limit: int | None = None  # the first this many chosen conversations; None: all
     temperature: float = 0.0  # 0: greedy; else plain sampling at this temperature (no top-k or top-p)
     max_new_tokens: int = 256  # per reply; a reply cut here is counted in the summary
-    batch_size: int = 8  # replies generated together (left-padded)
+    max_replies: int | None = None  # assistant turns regenerated per conversation (later turns dropped); None: all
+    max_prompt_tokens: int = 2048  # a reply whose prompt is longer is dropped, with the turns after it
+    shard_size: int = 1000  # conversations per shard file
+    batch_size: int = 8  # replies generated together (left-padded; llamacpp: parallel server slots)
+    engine: str = "transformers"  # transformers (the target as loaded) | llamacpp (llama-server on target.gguf_file)
+    threads: int = 1  # engine=llamacpp: llama-server's threads
     seed: int = 0
     overwrite: bool = False
 
     def __post_init__(self):
         require(self.data.layout in CHAT_FIELDS, "data.layout", self.data.layout, "sharegpt or messages")
-        require(self.out.endswith(".jsonl"), "out", self.out, "a .jsonl file (data.path of training reads it)")
+        require(not self.out.endswith((".jsonl", ".json")), "out", self.out,
+                "a folder (data.path of training reads its shards), not a file")
         require(self.temperature >= 0, "temperature", self.temperature, ">= 0")
-        at_least(1, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
+        one_of("split", self.split, (None, *SPLITS))
+        one_of("engine", self.engine, ENGINES)
+        require(self.engine != "llamacpp" or self.target.gguf_file is not None, "engine", self.engine,
+                "transformers unless target.gguf_file is set (llama.cpp serves the GGUF file)")
+        require(self.engine != "llamacpp" or self.quant.scheme == "none", "quant.scheme", self.quant.scheme,
+                "none with engine=llamacpp (it serves the file's own weights)")
+        at_least(1, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size, shard_size=self.shard_size,
+                 max_prompt_tokens=self.max_prompt_tokens)
+        for key in ("limit", "max_replies"):
+            require(getattr(self, key) is None or getattr(self, key) >= 1, key, getattr(self, key), ">= 1 or null")
+
+
+@dataclass
+class Tally:
+    replies: int = 0
+    tokens: int = 0
+    cut: int = 0  # replies that max_new_tokens ended
+    dropped: int = 0  # replies past max_replies or after a prompt over max_prompt_tokens
+
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # engine=llamacpp counts from threads
+
+    def count(self, lengths: list[int], ended: list[bool]) -> None:
+        with self.lock:
+            self.replies += len(lengths)
+            self.tokens += sum(lengths)
+            self.cut += ended.count(False)
+
+    def drop(self, replies: int) -> None:
+        with self.lock:
+            self.dropped += replies
+
+    def figures(self) -> dict:
+        return {"replies": self.replies, "tokens": self.tokens, "cut": self.cut, "dropped": self.dropped}
 
 
 def regenerate(cfg: RegenerateConfig) -> Path:
     out = Path(cfg.out)
-    check_writable(out, cfg.overwrite)
     target = FrozenTarget.load(replace(cfg.target, layer_ids=[]), cfg.quant)  # generation reads no features
     template = chat_template(cfg.data, target.tokenizer)
-    rows = read_examples(cfg.data)
-    conversations = [conversation(row, cfg.data.layout) for row in rows]
-    # (turn index, conversation) of every reply to regenerate; turn i needs the replies before it, so by round.
-    replies = [(i, c) for c, messages in enumerate(conversations) for i, m in enumerate(messages)
-               if m["role"] == "assistant" and any(earlier["role"] == "user" for earlier in messages[:i])]
-    torch.manual_seed(cfg.seed)
-    cut = 0
-    with tqdm(total=len(replies), unit="reply", desc="regenerating") as bar:
-        for turn in sorted({i for i, _ in replies}):
-            batch_of_round = [c for i, c in replies if i == turn]
-            for start in range(0, len(batch_of_round), cfg.batch_size):
-                chosen = batch_of_round[start : start + cfg.batch_size]
-                prompts = [target.tokenizer.apply_chat_template(conversations[c][:turn], chat_template=template,
-                                                                tokenize=False, add_generation_prompt=True)
-                           for c in chosen]
-                texts, n_cut = generate(target, prompts, cfg)
-                for c, text in zip(chosen, texts):
-                    conversations[c][turn]["content"] = text
-                cut += n_cut
-                bar.update(len(chosen))
-    partial = out.with_name(out.name + ".partial")
-    key = CHAT_FIELDS[cfg.data.layout][0]
-    with partial.open("w", encoding="utf-8") as f:
-        for row, messages in zip(rows, conversations):
-            f.write(json.dumps({k: v for k, v in row.items() if k != key} | {"messages": messages}, default=str) + "\n")
-    os.replace(partial, out)
+    rows = chosen_rows(cfg)
+    shards = Shards(out, cfg.shard_size)
+    done = resume(cfg, target, shards)
+    if done:
+        print(f"resuming {out}: {done} of {len(rows)} conversations done")
+    torch.manual_seed(cfg.seed + done)
+    tally, start = Tally(), time.perf_counter()
+    chunk = cfg.batch_size * CHUNK_BATCHES
+    generator = LlamaCppGenerator(cfg, target, tally) if cfg.engine == "llamacpp" else HFGenerator(cfg, target, tally)
+    with tqdm(initial=done, total=len(rows), unit="conversation", desc="regenerating") as bar, \
+            contextlib.closing(generator):
+        for at in range(done, len(rows), chunk):
+            chosen = rows[at : at + chunk]
+            chats = [Chat(conversation(row, cfg.data.layout), MAX_TURNS * (at + i), target, template, cfg, tally)
+                     for i, row in enumerate(chosen)]
+            generator.regenerate(chats)
+            shards.append([json.dumps(record(row, chat.messages, cfg.data.layout), default=str)
+                           for row, chat in zip(chosen, chats)])
+            bar.update(len(chosen))
+            bar.set_postfix(tokens=tally.tokens, tok_s=f"{tally.tokens / (time.perf_counter() - start):.0f}")
+    elapsed = time.perf_counter() - start
     how = f"temperature {cfg.temperature}" if cfg.temperature else "greedy"
-    print(f"regenerated {len(replies)} replies in {len(rows)} conversations ({how}; {cut} cut at max_new_tokens="
-          f"{cfg.max_new_tokens}): {out}")
+    print(f"regenerated {tally.replies} replies ({tally.tokens} tokens, {tally.tokens / max(elapsed, 1e-9):.0f} "
+          f"tokens/s) in {len(rows) - done} conversations ({how}; {tally.cut} cut at max_new_tokens="
+          f"{cfg.max_new_tokens}, {tally.dropped} dropped): {out}")
+    recorded = json.loads(shards.meta.read_text())
+    totals = {k: recorded.get("totals", {}).get(k, 0) + v for k, v in tally.figures().items()}
+    shards.meta.write_text(json.dumps(recorded | {"conversations": len(rows), "totals": totals}, indent=2) + "\n")
     return out
 
 
-@torch.no_grad()
-def generate(target: FrozenTarget, prompts: list[str], cfg: RegenerateConfig) -> tuple[list[str], int]:
-    """The replies to rendered prompts, and how many of them max_new_tokens cut."""
-    tokenizer = target.tokenizer
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    # The template wrote any BOS; left padding keeps each prompt's last token last.
-    batch = tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
-    eos = target.model.generation_config.eos_token_id or tokenizer.eos_token_id
-    # Spelled out: transformers fills what is unset from the target's own defaults (do_sample, top-k, top-p, ...).
-    sampling = dict(temperature=cfg.temperature, top_k=0, top_p=1.0) if cfg.temperature else {}
-    config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=bool(cfg.temperature), eos_token_id=eos,
-                              pad_token_id=tokenizer.pad_token_id, **sampling)
-    new = target.model.generate(**batch.to(target.device), generation_config=config)
-    new = new[:, batch["input_ids"].shape[1] :].cpu()
-    ended = torch.isin(new, torch.tensor(eos if isinstance(eos, list) else [eos])).any(-1)
-    return tokenizer.batch_decode(new, skip_special_tokens=True), int((~ended).sum())
+class Shards:
+    """The output folder: part-00000.jsonl.gz, ... of `size` conversations each (compressed when full, so
+    the folder can be committed), the open one as plain part-NNNNN.jsonl, and meta.json. Training reads
+    the folder as one data set (data.path=<folder>)."""
+
+    def __init__(self, folder: Path, size: int):
+        self.folder, self.size, self.meta = folder, size, folder / "meta.json"
+
+    def count(self) -> int:
+        """Conversations held; first drops an open shard's last line cut by an interruption."""
+        full = len(list(self.folder.glob("part-*.jsonl.gz")))
+        opened = self.opened()
+        return full * self.size + (keep_whole_lines(opened) if opened.exists() else 0)
+
+    def opened(self) -> Path:
+        return self.folder / f"part-{len(list(self.folder.glob('part-*.jsonl.gz'))):05d}.jsonl"
+
+    def append(self, lines: list[str]) -> None:
+        while lines:
+            opened = self.opened()
+            room = self.size - (keep_whole_lines(opened) if opened.exists() else 0)
+            with opened.open("a", encoding="utf-8") as f:
+                f.writelines(line + "\n" for line in lines[:room])
+            lines = lines[room:]
+            if keep_whole_lines(opened) == self.size:  # full: compress it, atomically
+                partial = opened.with_name(opened.name + ".gz.partial")
+                partial.write_bytes(gzip.compress(opened.read_bytes(), mtime=0))
+                os.replace(partial, opened.with_name(opened.name + ".gz"))
+                opened.unlink()
+
+    def clear(self) -> None:
+        for path in self.folder.glob("part-*"):
+            path.unlink()
+
+
+def chosen_rows(cfg: RegenerateConfig) -> list:
+    rows = read_examples(cfg.data)
+    if cfg.split is not None:
+        rows = split_by_hash(rows)[cfg.split]
+    return list(rows)[: cfg.limit]
+
+
+def settings(cfg: RegenerateConfig, target: FrozenTarget) -> dict:
+    """What decides each conversation's output: a folder is continued only under the same settings
+    (limit may grow: rows are taken in order)."""
+    source = Path(cfg.data.path) if cfg.data.source == "file" else None  # by name and size: venvs differ by machine
+    data = {"source": cfg.data.source, "file": source.name if source else cfg.data.path, "layout": cfg.data.layout,
+            "bytes": source.stat().st_size if source and source.is_file() else None,
+            "chat_template": cfg.data.chat_template}
+    engine = (f"llama.cpp {llamacpp.VERSION} (llama-cpp-python's vendored source) llama-server"
+              if cfg.engine == "llamacpp" else
+              f"transformers {transformers.__version__} generate, torch {torch.__version__}, {cfg.target.dtype}")
+    kept = {k: getattr(cfg, k) for k in ("split", "temperature", "max_new_tokens", "max_replies", "max_prompt_tokens",
+                                         "seed", "shard_size")}
+    return kept | {"target": target.name_or_path, "target_fingerprint": target.fingerprint(),
+                   "quant": cfg.quant.scheme, "data": data, "engine": engine}
+
+
+def resume(cfg: RegenerateConfig, target: FrozenTarget, shards: Shards) -> int:
+    """How many conversations the folder already holds (0 for a new one), after checking its settings."""
+    wanted = settings(cfg, target)
+    if cfg.overwrite or not shards.meta.exists():
+        if shards.folder.exists() and any(shards.folder.iterdir()) and not cfg.overwrite:
+            raise UserError(f"out={shards.folder} is a folder of other files; choose a new or empty folder")
+        shards.folder.mkdir(parents=True, exist_ok=True)
+        shards.clear()
+        shards.meta.write_text(json.dumps(wanted, indent=2, default=str) + "\n")
+        return 0
+    recorded = json.loads(shards.meta.read_text())
+    differ = sorted(k for k in wanted if recorded.get(k) != wanted[k])
+    if differ:
+        raise UserError(f"{shards.folder} already holds conversations written with other settings "
+                        f"({', '.join(differ)}); pass overwrite=true to replace them")
+    return shards.count()
+
+
+def keep_whole_lines(path: Path) -> int:
+    """Drop a last line cut by an interruption; the number of lines kept."""
+    kept, end = 0, 0
+    with path.open("rb+") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            kept, end = kept + 1, end + len(line)
+        f.truncate(end)
+    return kept
+
+
+def record(row: dict, messages: list[dict], layout: str) -> dict:
+    key = CHAT_FIELDS[layout][0]
+    return {k: v for k, v in row.items() if k != key} | {"messages": messages}
+
+
+class Chat:
+    """A conversation whose replies are regenerated in order. A reply past max_replies, or whose prompt
+    is longer than max_prompt_tokens, is dropped with the turns after it."""
+
+    def __init__(self, messages: list[dict], seed: int, target: FrozenTarget, template: str, cfg: RegenerateConfig,
+                 tally: Tally):
+        self.messages, self.seed, self.done = [dict(m) for m in messages], seed, 0
+        self.replies = reply_turns(self.messages)
+        self.target, self.template, self.cfg, self.tally = target, template, cfg, tally
+
+    def next_prompt(self) -> list[int] | None:
+        """The token ids the next reply answers; None when there is none (left)."""
+        if self.done == len(self.replies):
+            return None
+        turn = self.replies[self.done]
+        ids = self.target.tokenizer.apply_chat_template(self.messages[:turn], chat_template=self.template,
+                                                        tokenize=True, add_generation_prompt=True,
+                                                        return_dict=True)["input_ids"]
+        if (self.cfg.max_replies is not None and self.done >= self.cfg.max_replies) or len(ids) > self.cfg.max_prompt_tokens:
+            self.tally.drop(len(self.replies) - self.done)
+            self.messages, self.replies = self.messages[:turn], self.replies[: self.done]
+            return None
+        return ids
+
+    def answer(self, text: str) -> None:
+        self.messages[self.replies[self.done]]["content"] = text
+        self.done += 1
+
+
+def reply_turns(messages: list[dict]) -> list[int]:
+    """Indices of the assistant turns that answer a user turn."""
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > first_user]
+
+
+class HFGenerator:
+    """transformers' generate on the target as loaded (quantized or not): round by round (every
+    conversation's first reply, then every second), `batch_size` prompts of similar length at a time."""
+
+    def __init__(self, cfg: RegenerateConfig, target: FrozenTarget, tally: Tally):
+        self.cfg, self.target, self.tally = cfg, target, tally
+        tokenizer = target.tokenizer
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        eos = target.model.generation_config.eos_token_id or tokenizer.eos_token_id
+        self.eos = eos if isinstance(eos, list) else [eos]
+        # Spelled out: transformers fills what is unset from the target's own defaults (do_sample, top-k, top-p, ...).
+        sampling = dict(temperature=cfg.temperature, top_k=0, top_p=1.0) if cfg.temperature else {}
+        self.config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=bool(cfg.temperature),
+                                       eos_token_id=self.eos, pad_token_id=self.pad, **sampling)
+
+    def regenerate(self, chats: list[Chat]) -> None:
+        while pending := [(chat, ids) for chat in chats if (ids := chat.next_prompt()) is not None]:
+            pending.sort(key=lambda p: len(p[1]))  # similar lengths together: less padding
+            for at in range(0, len(pending), self.cfg.batch_size):
+                batch = pending[at : at + self.cfg.batch_size]
+                for (chat, _), text in zip(batch, self.batch([ids for _, ids in batch])):
+                    chat.answer(text)
+
+    @torch.no_grad()
+    def batch(self, prompts: list[list[int]]) -> list[str]:
+        width = max(map(len, prompts))  # left padding keeps each prompt's last token last
+        input_ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        device = self.target.device
+        new = self.target.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                         generation_config=self.config)[:, width:].cpu()
+        ended = torch.isin(new, torch.tensor(self.eos))
+        lengths = torch.where(ended.any(-1), ended.int().argmax(-1) + 1, new.shape[1])
+        self.tally.count(lengths.tolist(), ended.any(-1).tolist())
+        return self.target.tokenizer.batch_decode(new, skip_special_tokens=True)
+
+    def close(self) -> None:
+        pass
+
+
+class LlamaCppGenerator:
+    """llama-server on target.gguf_file: `batch_size` conversations at a time, each in its own server slot
+    turn after turn (continuous batching; a later turn reuses the slot's cache of the earlier ones)."""
+
+    def __init__(self, cfg: RegenerateConfig, target: FrozenTarget, tally: Tally):
+        self.cfg, self.tokenizer, self.tally = cfg, target.tokenizer, tally
+        longest = cfg.max_prompt_tokens + cfg.max_new_tokens
+        self.server = llamacpp.Server(gguf_file.locate(cfg.target.gguf_file), cfg.batch_size, longest, cfg.threads)
+        self.pool = ThreadPoolExecutor(cfg.batch_size)
+
+    def regenerate(self, chats: list[Chat]) -> None:
+        list(self.pool.map(self.conversation, chats))
+
+    def conversation(self, chat: Chat) -> None:
+        while (ids := chat.next_prompt()) is not None:
+            answer = self.server.complete(ids, self.cfg.max_new_tokens, self.cfg.temperature,
+                                         self.cfg.seed + chat.seed + chat.done)
+            self.tally.count([len(answer["tokens"])], [answer["stopped_eos"]])
+            chat.answer(self.tokenizer.decode(answer["tokens"], skip_special_tokens=True))
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.server.close()
 
 
 @hydra.main(config_path="../conf", config_name="regenerate", version_base="1.3")

@@ -74,7 +74,7 @@ def read_training_facts(model_dir: Path) -> dict:
 
 
 def load_model_and_tokenizer(model_dir: Path):
-    """fp32 weights: bf16 arithmetic is unusably slow on CPUs without bf16 units (DESIGN.md 5)."""
+    """fp32 weights: bf16 arithmetic is unusably slow on CPUs without bf16 units."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
