@@ -25,6 +25,7 @@ from speculators.config import UserError, at_least, one_of, require
 
 EVAL_SETS = ("stdlib", "mtbench", "sharegpt", "file", "data")  # data: a training run's own held-out split
 MISSING_TEMPLATE = "<no chat template>"  # EvalConfig.template's answer for a chat set on a tokenizer without one
+DRAFT_ROOM = 64  # positions kept free after a prompt and its answer: the widest draft tree verified at once
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
@@ -145,13 +146,19 @@ def prompts(cfg: EvalConfig, target, max_new_tokens: int) -> list[Prompt]:
 
 def prompts_of(chats: list[list[str]], template: str | None, target, max_new_tokens: int) -> list[Prompt]:
     """Every turn of every conversation as token ids, turn 1 of all first. A later turn follows the
-    target's own greedy answers (max_new_tokens each) to the turns before it."""
+    target's own greedy answers (max_new_tokens each) to the turns before it. A prompt longer than the
+    target's context leaves room for the answer and the drafts keeps its last tokens (the question
+    ends it; a long conversation starts in the middle)."""
+    room = target.config.max_position_embeddings - max_new_tokens - DRAFT_ROOM
+    if room < 1:
+        raise UserError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the target's context of "
+                        f"{target.config.max_position_embeddings} positions")
     answers, out = [[] for _ in chats], []
     for turn in range(max(map(len, chats))):
         for c, turns in enumerate(chats):
             if turn >= len(turns):
                 continue
-            ids = render(target.tokenizer, turns[: turn + 1], answers[c], template)
+            ids = render(target.tokenizer, turns[: turn + 1], answers[c], template)[-room:]
             out.append(Prompt(ids, turn + 1, turns[turn]))
             if turn + 1 < len(turns):
                 tokens = generate(target, None, ids, max_new_tokens, k=0).tokens

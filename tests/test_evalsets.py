@@ -163,3 +163,14 @@ def test_mtbench_has_80_two_turn_questions():
 def test_sharegpt_serves_user_turns_of_its_test_split():
     chats = evalsets.conversations(EvalConfig("sharegpt", num_prompts=5, turns=2))
     assert len(chats) == 5 and all(1 <= len(turns) <= 2 and all(t.strip() for t in turns) for turns in chats)
+
+
+def test_a_prompt_longer_than_the_context_keeps_its_last_tokens(llama_target):
+    """The closing report of a run on long documents must not fail: a prompt keeps its end, with room left
+    for the answer and the drafts."""
+    long = "x = 1\n" * 400
+    prompt = evalsets.prompts_of([[long]], None, llama_target, 64)[0]
+    room = llama_target.config.max_position_embeddings - 64 - evalsets.DRAFT_ROOM
+    assert prompt.ids == llama_target.tokenizer(long)["input_ids"][-room:]
+    with pytest.raises(UserError, match="leaves no room"):
+        evalsets.prompts_of([[long]], None, llama_target, llama_target.config.max_position_embeddings)
