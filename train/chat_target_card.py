@@ -215,7 +215,7 @@ def render(card: dict) -> str:
         "",
         "| what | fp32 (dequantized) | packed (quant=gguf) |",
         "|---|--:|--:|",
-        f"| weights in memory | {card['weights_mb']['fp32']:.0f} MB | {card['weights_mb']['packed']:.0f} MB |",
+        f"| weights in memory | {card['weights_mb']['fp32']:.0f} MiB | {card['weights_mb']['packed']:.0f} MiB |",
         f"| load | {load['cached_load_s']:.1f} s cached, {load['first_load_s']:.1f} s first (GGUF conversion) | "
         f"{load['packed_load_s']:.1f} s |",
         f"| held-out ShareGPT loss ({h['conversations']} test conversations, {h['tokens']} assistant tokens) | "
