@@ -239,25 +239,3 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, group, x_
             w = tl.load(q_ptr + cols[None, :] * q_sn + ks[:, None], mask=ok, other=0).to(tl.float32) * s
         acc += tl.dot(x, w)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
-
-
-# --- torch.compile -----------------------------------------------------------------------------
-
-
-@functools.cache
-def register_fakes() -> None:
-    """Teach torch.compile the output shapes of the CPU kernel's ops (it traces with fake tensors): each op
-    whose schema is (Tensor x [M, K], Tensor weight [N, ...], ...) -> Tensor returns x's dtype, [M, N]."""
-    if cpu_ops() is None:
-        return
-    for name in torch._C._dispatch_get_all_op_names():
-        if not name.startswith("speculators_forge::") or torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
-            continue
-        schema = torch._C._get_schema(name, "")
-        arguments, returns = [str(a.type) for a in schema.arguments], [str(r.type) for r in schema.returns]
-        if arguments[:2] == ["Tensor", "Tensor"] and returns == ["Tensor"]:
-            torch.library.register_fake(name)(rows_times_weight)
-
-
-def rows_times_weight(x: torch.Tensor, weight: torch.Tensor, *args) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
