@@ -2,7 +2,10 @@
 
 import json
 import os
+import re
 import string
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -117,3 +120,15 @@ def make_drafter(text_batch):
         return Eagle3Drafter.from_target(Eagle3Config(**fields), target, counts)
 
     return make
+
+
+def run_interpreted_tests(test_file: str) -> None:
+    """Run `test_file`'s tests marked `interpreted` in a child process with TRITON_INTERPRET=1 (Triton
+    reads it when first imported, so this process cannot switch), and require that none was skipped."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    child = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
+                            test_file, "-k", "interpreted"], env=env, cwd=Path(__file__).parent.parent,
+                           capture_output=True, text=True)
+    summary = child.stdout.strip().splitlines()[-1] if child.stdout.strip() else ""
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    assert re.search(r"^\d+ passed, \d+ deselected", summary), summary  # nothing skipped: Triton was interpreted

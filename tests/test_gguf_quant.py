@@ -23,17 +23,13 @@ Q and K rows permuted as llama.cpp's converter writes them. Checks:
 """
 
 import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import LAYER_IDS, make_model
+from conftest import LAYER_IDS, make_model, run_interpreted_tests
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
@@ -279,13 +275,7 @@ def test_grouped_int8_rejects_inconsistent_inputs(impl):
 def test_triton_kernel_in_the_interpreter():
     if kernels.INTERPRET:
         pytest.skip("this process interprets Triton itself")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    child = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
-                            __file__, "-k", "interpreted"], env=env, cwd=Path(__file__).parent.parent,
-                           capture_output=True, text=True)
-    summary = child.stdout.strip().splitlines()[-1] if child.stdout.strip() else ""
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
-    assert re.search(r"^\d+ passed, \d+ deselected", summary), summary  # nothing skipped: Triton was interpreted
+    run_interpreted_tests(__file__)
 
 
 @interpreted
