@@ -23,6 +23,16 @@ def capture_logits(drafter):
     return steps, handle
 
 
+def dense(rows: torch.Tensor, loss_mask: torch.Tensor, j: int) -> torch.Tensor:
+    """Step j's lm_head rows (or their gradients) as [B, T, D], zero where the step computes none:
+    training sends only counted positions (token t+2+j loss-masked) through the lm_head."""
+    counted = torch.zeros_like(loss_mask, dtype=torch.bool)
+    counted[:, : loss_mask.shape[1] - 2 - j] = loss_mask[:, 2 + j :].bool()
+    out = rows.new_zeros(*counted.shape, rows.shape[-1])
+    out[counted] = rows
+    return out
+
+
 def expected_trained(target_logits, loss_mask, kept, steps):
     """[steps, B, T] bool: position t of step j is trained on the target's distribution at t+1+j
     (predicting token t+2+j) iff token t+2+j is loss-masked and the target's argmax at t+1+j is in
@@ -163,13 +173,13 @@ def test_drafter_logits_do_not_see_the_future(target, make_drafter, text_batch):
             for h in aux2:
                 h[:, t + 1:] += torch.randn_like(h[:, t + 1:])
             drafter.training_loss(TargetOutput(aux2, out.last_hidden, out.logits), ids2, torch.ones_like(ids))
-            torch.testing.assert_close(steps[j][:, : t + 1], base[j][:, : t + 1])
+            torch.testing.assert_close(steps[j][: t + 1], base[j][: t + 1])  # batch 1: row t is position t
             # ... while the token it does read (t+1+j) matters.
             steps.clear()
             ids3 = ids.clone()
             ids3[:, t + 1 + j] = (ids3[:, t + 1 + j] + 1) % target.vocab_size
             drafter.training_loss(out, ids3, torch.ones_like(ids))
-            assert not torch.allclose(steps[j][:, t], base[j][:, t])
+            assert not torch.allclose(steps[j][t], base[j][t])
     handle.remove()
 
 
@@ -188,8 +198,9 @@ def test_later_steps_read_the_previous_step_output(target, make_drafter, text_ba
     assert len(hidden_in) == len(hidden_out) == 3
     fused = torch.cat(out.aux_hidden, dim=-1) @ drafter.fc.weight.T
     torch.testing.assert_close(hidden_in[0], fused)
-    for j in (1, 2):
-        assert torch.equal(hidden_in[j], hidden_out[j - 1])
+    T = text_batch.shape[1]
+    for j in (1, 2):  # the final norm sees only step j-1's counted positions: t < T - 2 - (j-1)
+        assert torch.equal(hidden_in[j][:, : T - 1 - j].flatten(0, 1), hidden_out[j - 1])
         assert not torch.allclose(hidden_in[j], fused)
 
 
@@ -262,7 +273,7 @@ def test_step0_loss_is_soft_cross_entropy_to_the_renormalised_target(target, mak
     trained = expected_trained(out.logits, torch.ones_like(text_batch), kept, 1)[0]
     # Position t matches the target at t+1, restricted to the draft vocab and renormalised.
     p = torch.softmax(out.logits[:, 1:, kept], dim=-1)
-    logq = torch.log_softmax(steps[0][:, :-1], dim=-1)
+    logq = torch.log_softmax(dense(steps[0], torch.ones_like(text_batch), 0)[:, :-1], dim=-1)
     ce = -(p * logq).sum(-1)
     expected = ce[trained[:, :-1]].mean()
     torch.testing.assert_close(metrics["loss_step0"], expected)
@@ -291,7 +302,7 @@ def test_positions_outside_draft_vocab_and_unmasked_get_no_gradient(target, make
     loss.backward()
     handle.remove()
     for j in range(steps_n):
-        grad_norm = steps[j].grad.abs().sum(-1)  # [B, T]
+        grad_norm = dense(steps[j].grad, loss_mask, j).abs().sum(-1)  # [B, T]
         assert (grad_norm[~trained[j]] == 0).all(), f"step {j}: untrained positions have gradient"
         assert (grad_norm[trained[j]] > 0).all(), f"step {j}: trained positions have no gradient"
 
@@ -357,7 +368,7 @@ def test_per_step_accuracies(target, make_drafter, text_batch):
     T = text_batch.shape[1]
     argmax = out.logits.argmax(-1)
     for j in range(steps_n):
-        draft = drafter.draft_to_target[steps[j].argmax(-1)]
+        draft = drafter.draft_to_target[dense(steps[j], mask, j).argmax(-1)]
         hits = total = 0
         for b in range(2):
             for t in range(T - 2 - j):
