@@ -60,7 +60,21 @@ def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
     if not (target_path or verifier):
         raise UserError(f"{drafter_path} does not name its target (original EAGLE-3 format); pass target=<path or hub id>")
     target_cfg = TargetConfig.named(target_path or verifier, layer_ids=getattr(drafter, "layer_ids", None))
-    return drafter.eval(), FrozenTarget.load(target_cfg, quant or QuantConfig())
+    target = FrozenTarget.load(target_cfg, quant or QuantConfig())
+    check_trained_for(drafter_path, target)
+    return drafter.eval(), target
+
+
+def check_trained_for(drafter_path: str, target) -> None:
+    """Refuse an export whose training record names another target: same shapes, other weights,
+    and the drafts would be rejected without a word."""
+    from speculators import export
+
+    record = export.training_record(Path(drafter_path)) or {}
+    trained_for = record.get("target_fingerprint")
+    if trained_for is not None and trained_for != target.fingerprint():
+        raise UserError(f"{drafter_path} was trained for target {record.get('target')} (fingerprint {trained_for}), "
+                        f"not for target {target.name_or_path} (fingerprint {target.fingerprint()})")
 
 
 def measure(target, drafter, prompts: list[Prompt], cfg: InferenceConfig) -> dict:

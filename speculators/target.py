@@ -94,8 +94,10 @@ class FrozenTarget:
     """A causal LM in eval mode with gradients off. Not an nn.Module on purpose: whatever holds
     it (a LightningModule) does not put its weights in the optimizer or in checkpoints."""
 
-    def __init__(self, model, tokenizer, name_or_path: str, layer_ids: list[int] | None = None, layers: bool = True):
+    def __init__(self, model, tokenizer, name_or_path: str, layer_ids: list[int] | None = None, layers: bool = True,
+                 fingerprint: str | None = None):
         self.model = model.eval().requires_grad_(False)
+        self._fingerprint = fingerprint or weights_fingerprint(model)
         self.layers = layers  # False: loaded without its decoder layers, it turns cached hidden states into logits
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path
@@ -131,7 +133,8 @@ class FrozenTarget:
         except (OSError, ValueError) as e:
             raise UserError(f"cannot load target {cfg.name!r}: {str(e).splitlines()[0]}") from None
         model.config.num_hidden_layers = num_layers  # what the drafter and the exports describe is the whole target
-        return cls(quantize(model, quant, tokenizer, source), tokenizer, cfg.name, cfg.layer_ids, layers)
+        fingerprint = weights_fingerprint(model)  # of the weights as stored: serving quantized is the same target
+        return cls(quantize(model, quant, tokenizer, source), tokenizer, cfg.name, cfg.layer_ids, layers, fingerprint)
 
     @property
     def placed(self) -> bool:
@@ -164,19 +167,8 @@ class FrozenTarget:
             return head.weight.detach().clone()
 
     def fingerprint(self) -> str:
-        """A hash of the config, the weight dtype and 256 rows each of the embeddings and lm_head:
-        the same whether or not the decoder layers are loaded (a target differing in those alone
-        and saved under the same name is not told apart)."""
-        config = {k: v for k, v in self.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
-        digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-        digest.update(str(self.model.dtype).encode())
-        for module in (self.embed_tokens, self.model.get_output_embeddings()):
-            with align_module_device(module):  # weights offloaded by accelerate (target.device_map), read back
-                state = module.state_dict()
-            for name, tensor in sorted(state.items()):
-                rows = tensor[:: max(1, len(tensor) // 256)] if tensor.dim() > 1 else tensor.reshape(1, -1)
-                digest.update(name.encode() + rows.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return digest.hexdigest()[:16]
+        """Which target this is, however it is served (weights_fingerprint before quantization)."""
+        return self._fingerprint
 
     @torch.no_grad()
     def from_hidden(self, aux_hidden: list[torch.Tensor], last_hidden: torch.Tensor) -> TargetOutput:
@@ -197,3 +189,19 @@ class FrozenTarget:
         return TargetOutput(aux_hidden=[out.hidden_states[k].to(device, torch.float32) for k in self.layer_ids],
                             last_hidden=out.hidden_states[-1].to(device, torch.float32),
                             logits=out.logits.to(device, torch.float32))
+
+
+def weights_fingerprint(model) -> str:
+    """A hash of the config, the weight dtype and 256 rows each of the embeddings and lm_head:
+    the same whether or not the decoder layers are loaded (a target differing in those alone
+    and saved under the same name is not told apart)."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(str(model.dtype).encode())
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        with align_module_device(module):  # weights offloaded by accelerate (target.device_map), read back
+            state = module.state_dict()
+        for name, tensor in sorted(state.items()):
+            rows = tensor[:: max(1, len(tensor) // 256)] if tensor.dim() > 1 else tensor.reshape(1, -1)
+            digest.update(name.encode() + rows.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -11,6 +11,8 @@ import torch
 from conftest import LAYER_IDS, VOCAB_SIZE
 from safetensors import safe_open
 
+from speculators.target import FrozenTarget, TargetConfig
+
 REPO = Path(__file__).resolve().parent.parent
 DRAFT = 128
 
@@ -52,6 +54,7 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
 
     training = json.loads((export_dir / "training.json").read_text())  # the budget comparisons state
     assert training["family"] == "eagle3" and training["steps"] == 3 and training["tokens_seen"] == 3 * 2 * 64
+    assert training["target_fingerprint"] == FrozenTarget.load(TargetConfig(str(llama_dir), layer_ids=LAYER_IDS)).fingerprint()
 
     report = json.loads((run_dir / "acceptance" / "report.json").read_text())
     for curve in (report["acceptance_rate_per_position"], report["offline_accuracy_per_step"]):

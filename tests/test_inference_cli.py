@@ -87,3 +87,27 @@ def test_a_drafter_trained_with_three_steps_is_served_with_k_3(llama_dir, tmp_pa
     # Training's own report served it with K=3, and parity serves the export as that report did.
     assert len(json.loads((run_dir / "acceptance" / "report.json").read_text())["acceptance_rate_per_position"]) == 3
     parity.check(str(exported))
+
+
+def test_a_drafter_trained_for_another_target_is_refused(llama_dir, llama_target, make_drafter, tokenizer, tmp_path):
+    """Same shapes, other weights: refused with one line naming both targets; a quantized serve of its own
+    target is the same target."""
+    import pytest
+    from conftest import make_model
+
+    from inference import report
+    from speculators.config import UserError
+    from speculators.quant import QuantConfig
+
+    other = tmp_path / "other-target"
+    make_model("llama", tokenizer, seed=1).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    record = {"target": str(llama_dir), "target_fingerprint": llama_target.fingerprint()}
+    exported = export.save(make_drafter(llama_target), tmp_path / "export", export.Verifier.of(llama_target),
+                           training=record)
+    with pytest.raises(UserError) as refused:
+        report.load_pair(str(exported), str(other))
+    assert str(llama_dir) in str(refused.value) and str(other) in str(refused.value)
+    assert "\n" not in str(refused.value)
+    _, served = report.load_pair(str(exported), quant=QuantConfig(scheme="int8"))
+    assert served.fingerprint() == llama_target.fingerprint()

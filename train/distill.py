@@ -49,7 +49,7 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     if not trainer.is_global_zero:
         return  # one process exports and reports
     export_dir = export.save(drafter, run_dir / "export", export.Verifier.of(target), overwrite=recipe.overwrite,
-                             training=training_record(recipe, trainer))
+                             training=training_record(recipe, trainer, target))
     if trainer.logger:
         trainer.logger.experiment.finish()  # flush W&B before the closing lines, not after them
     if cached:
@@ -59,12 +59,13 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     print(f"\nexport: {export_dir}\nacceptance report: {report_path}")
 
 
-def training_record(recipe: DrafterRecipe, trainer) -> dict:
+def training_record(recipe: DrafterRecipe, trainer, target: FrozenTarget) -> dict:
     """What the drafter was trained on, so comparisons can state their budgets."""
     sequences = recipe.data.batch_size * recipe.trainer.accumulate_grad_batches * trainer.world_size
     return {"family": recipe.drafter.get("family"), "steps": trainer.global_step,
             "tokens_seen": trainer.global_step * sequences * recipe.data.seq_len,
-            "target": recipe.target.name, "quant": asdict(recipe.quant), "seed": recipe.seed}
+            "target": recipe.target.name, "target_fingerprint": target.fingerprint(), "quant": asdict(recipe.quant),
+            "seed": recipe.seed}
 
 
 def eval_prompts(recipe: DrafterRecipe, target, test, turns: int | None = None) -> list[evalsets.Prompt]:
