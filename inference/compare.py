@@ -203,6 +203,7 @@ def main(cfg: DictConfig) -> None:
     drafters = [(cfg.drafters[0], first, export.training_record(cfg.drafters[0]))]
     for path in cfg.drafters[1:]:
         drafter, _ = export.load(Path(path))
+        export.share_target_embedding(drafter, target)
         drafters.append((path, drafter.eval(), export.training_record(path)))
     prompts = [p.ids for p in evalsets.prompts(cfg.eval, target, cfg.max_new_tokens)]
     rows = methods(drafters, cfg)

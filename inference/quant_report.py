@@ -118,6 +118,8 @@ def load(cfg: QuantReportConfig) -> tuple[dict[str, FrozenTarget], dict[str, tor
     target_cfg = TargetConfig.named(cfg.target, layer_ids=getattr(drafters[FULL], "layer_ids", None))
     targets = {FULL: FrozenTarget.load(target_cfg)} | {s: FrozenTarget.load(target_cfg, cfg.quant(s))
                                                        for s in cfg.schemes}
+    for drafter in drafters.values():
+        export.share_target_embedding(drafter, targets[FULL])
     return targets, drafters
 
 

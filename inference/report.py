@@ -62,6 +62,7 @@ def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
     target_cfg = TargetConfig.named(target_path or verifier, layer_ids=getattr(drafter, "layer_ids", None))
     target = FrozenTarget.load(target_cfg, quant or QuantConfig())
     check_trained_for(drafter_path, target)
+    export.share_target_embedding(drafter, target)
     return drafter.eval(), target
 
 

@@ -56,6 +56,32 @@ def test_save_load_round_trip(target, make_drafter, text_batch, tmp_path, norm_b
     assert all(torch.equal(metrics_a[k], metrics_b[k]) for k in metrics_a)
 
 
+def test_bf16_export_without_embeddings_takes_the_targets(llama_target, make_drafter, text_batch, tmp_path):
+    """The shipped form: bfloat16 weights, embed_tokens left out (the target's own); loaded back and given
+    the target's embeddings it drafts what the bf16-rounded drafter drafts."""
+    drafter = trained_a_little(make_drafter(llama_target, ttt_steps=2), llama_target, text_batch)
+    out_dir = export.save(drafter, tmp_path / "lean", Verifier.of(llama_target), dtype="bfloat16",
+                          shared_embedding=True)
+    with safe_open(str(out_dir / "model.safetensors"), "pt") as f:
+        assert "embed_tokens.weight" not in f.keys()
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16 and f.get_tensor("d2t").dtype == torch.int64
+    assert json.loads((out_dir / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+    loaded, _ = export.load(out_dir)
+    assert loaded.embedding_from_target
+    export.share_target_embedding(loaded, llama_target)
+    assert torch.equal(loaded.embed_tokens.weight, llama_target.embedding_weight().float())
+    rounded = {name: t.to(torch.bfloat16).float() if t.is_floating_point() and name != "embed_tokens.weight" else t
+               for name, t in drafter.state_dict().items()}
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, rounded[name]), name
+
+    with pytest.raises(UserError, match="only EAGLE-3"):
+        export.save(drafter, tmp_path / "eagle3", Verifier.of(llama_target), fmt="eagle3", shared_embedding=True)
+    with pytest.raises(UserError, match="floating-point"):
+        export.save(drafter, tmp_path / "int", Verifier.of(llama_target), dtype="int8")
+
+
 def test_config_and_tensors_in_the_export(target, make_drafter, tmp_path):
     drafter = make_drafter(target, ttt_steps=3)
     out_dir = export.save(drafter, tmp_path / "export", Verifier("/models/my-target", Verifier.of(target).architectures))
