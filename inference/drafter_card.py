@@ -1,0 +1,166 @@
+"""Measure a drafter for a chat target and write its model card (models/smollm2-eagle3).
+
+    python -m inference.drafter_card drafter=<export> out=models/smollm2-eagle3
+
+Every figure comes from this run. Acceptance comes from the one evaluation loop (inference/report.py
+`measure`: tau, acceptance per position, outputs against target-only decoding), speed from the
+interleaved benchmark (inference/bench.py `run`). Served on the target the drafter was trained
+against (training.json's quant, e.g. gguf: the file's own 4-bit blocks):
+- acceptance: MT-bench first and second turns in chains of K, first turns in trees, ShareGPT's test
+  split, and MT-bench first turns at temperature 1 (lossless sampling);
+- speed on MT-bench first turns, on the fp32 target and on the served (packed) one: target-only
+  decoding in our engine, speculative chains and trees, transformers' generate and prompt lookup;
+  with the time split of a chain and the bound tau / (1 + K c) its measured costs set;
+- `check`: what tests/test_shipped_drafter.py measures again (a few prompts, short answers).
+Writes <out>/card.json and <out>/README.md, a card with the training facts of training.json.
+"""
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from inference import bench, evalsets, report
+from inference.drafting import DraftingConfig, speculative_tokens
+from inference.evalsets import EvalConfig
+from speculators import export
+from speculators.config import at_least, exit_on_user_error, run_cli, to_dataclass
+from speculators.quant import QuantConfig
+from speculators.target import FrozenTarget, TargetConfig
+
+KEPT = ("acceptance_length", "acceptance_rate_per_position", "num_prompts", "num_drafts", "outputs_match_baseline",
+        "tokens_per_second", "baseline_tokens_per_second", "speedup", "time_split_s")
+
+
+@dataclass
+class DrafterCardConfig:
+    """conf/inference/drafter_card.yaml."""
+
+    drafter: str = "???"  # an export folder that names its target and has training.json
+    out: str = "???"
+    num_prompts: int = 8  # conversations per eval set
+    max_new_tokens: int = 128
+    speed_prompts: int = 4  # MT-bench first turns in the speed benchmark
+    repeats: int = 3
+    check_prompts: int = 3  # what the shipped-drafter test serves again
+    check_new_tokens: int = 48
+
+    def __post_init__(self):
+        at_least(1, num_prompts=self.num_prompts, max_new_tokens=self.max_new_tokens, speed_prompts=self.speed_prompts,
+                 repeats=self.repeats, check_prompts=self.check_prompts, check_new_tokens=self.check_new_tokens)
+
+
+def acceptance_sets(cfg: DrafterCardConfig) -> dict[str, tuple[EvalConfig, str, float]]:
+    """name -> (eval set, drafting mode, temperature)."""
+    mtbench = EvalConfig("mtbench", num_prompts=cfg.num_prompts, turns=1)
+    return {"mtbench_chain": (replace(mtbench, turns=2), "chain", 0.0),
+            "mtbench_turn1_tree": (mtbench, "tree", 0.0),
+            "sharegpt_chain": (EvalConfig("sharegpt", num_prompts=cfg.num_prompts), "chain", 0.0),
+            "mtbench_turn1_temperature1": (mtbench, "chain", 1.0)}
+
+
+def serve(target, drafter, served: QuantConfig, eval_cfg: EvalConfig, mode: str, temperature: float,
+          max_new_tokens: int, drafter_path: str) -> dict:
+    """The acceptance report's figures (and per-turn tau) on one eval set."""
+    cfg = report.InferenceConfig(drafter=drafter_path, quant=served, eval=eval_cfg, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, drafting=DraftingConfig(mode))
+    result = report.measure(target, drafter, evalsets.prompts(eval_cfg, target, max_new_tokens), cfg)
+    figures = {key: result[key] for key in KEPT}
+    for turn, f in (result["per_turn"] or {}).items():
+        rows = [row for row in result["prompts"] if str(row["turn"]) == turn]
+        same = all(row["matches_baseline"] for row in rows) if temperature == 0 else None
+        figures.setdefault("per_turn", {})[turn] = {key: f[key] for key in KEPT if key in f} | {
+            "outputs_match_baseline": same}
+    return figures
+
+
+def speed(target, drafter, cfg: DrafterCardConfig) -> dict:
+    """bench.run on MT-bench first turns: tokens/s and speed-up over our own target-only decoding."""
+    eval_cfg = EvalConfig("mtbench", num_prompts=cfg.speed_prompts, turns=1)
+    prompts = [p.ids for p in evalsets.prompts(eval_cfg, target, cfg.max_new_tokens)]
+    bench_cfg = bench.BenchConfig(drafter=cfg.drafter, eval=eval_cfg, max_new_tokens=cfg.max_new_tokens,
+                                  repeats=cfg.repeats)
+    return bench.run(target, drafter, None, prompts, bench_cfg)
+
+
+def bound(chain: dict, k: int) -> dict:
+    """Where a chain's time goes and the speed-up its measured costs allow: tau / (1 + K c) with c the
+    cost of a draft step over a target-only token, and verification priced at a target-only token."""
+    split, drafts = chain["time_split_s"], max(chain["num_drafts"], 1)
+    per_token = 1 / chain["baseline_tokens_per_second"]
+    c = split["draft"] / drafts / k / per_token
+    return {"draft_ms_per_cycle": 1000 * split["draft"] / drafts, "verify_ms_per_cycle": 1000 * split["verify"] / drafts,
+            "other_ms_per_cycle": 1000 * split["other"] / drafts, "target_only_ms_per_token": 1000 * per_token,
+            "c": c, "bound": chain["acceptance_length"] / (1 + k * c)}
+
+
+def measure(cfg: DrafterCardConfig) -> dict:
+    record = export.training_record(Path(cfg.drafter)) or {}
+    served = QuantConfig(**record.get("quant", {}))
+    drafter, packed = report.load_pair(cfg.drafter, quant=served)
+    k = speculative_tokens(drafter, None)
+    card = {"drafter": cfg.drafter, "target": packed.name_or_path, "served_quant": asdict(served), "k": k,
+            "training": record, "config": asdict(cfg), "acceptance": {}}
+    for name, (eval_cfg, mode, temperature) in acceptance_sets(cfg).items():
+        card["acceptance"][name] = serve(packed, drafter, served, eval_cfg, mode, temperature, cfg.max_new_tokens,
+                                         cfg.drafter)
+    card["chain_costs"] = bound(card["acceptance"]["mtbench_chain"]["per_turn"]["1"], k)
+    check_cfg = EvalConfig("mtbench", num_prompts=cfg.check_prompts, turns=1)
+    card["check"] = serve(packed, drafter, served, check_cfg, "chain", 0.0, cfg.check_new_tokens, cfg.drafter)
+    card["speed"] = {"packed": speed(packed, drafter, cfg)}
+    fp32 = FrozenTarget.load(TargetConfig.named(packed.name_or_path, layer_ids=drafter.layer_ids))
+    card["speed"]["fp32"] = speed(fp32, drafter, cfg)
+    card |= {"git_revision": report.git_revision(), "machine": report.machine()}
+    return card
+
+
+def markdown(card: dict) -> str:
+    """The card's README: the training facts, then the measured tables."""
+    t, k = card["training"], card["k"]
+    acc = card["acceptance"]
+    lines = [f"# {Path(card['drafter']).name}: an EAGLE-3 drafter for {card['target']}", "",
+             f"Trained here for {t.get('steps')} steps ({t.get('tokens_seen', 0):,} tokens seen) against the target "
+             f"served as quant={card['served_quant']['scheme']}; K={k} draft tokens. Every figure below is measured "
+             f"by `python -m inference.drafter_card` (card.json holds them all, with the machine and revision).", "",
+             "## Acceptance (greedy unless said; outputs compared with target-only decoding)", "",
+             "| eval set | drafting | tau | acceptance per position | same output |", "|---|---|---|---|---|"]
+    rows = [("MT-bench turn 1", "chain", acc["mtbench_chain"]["per_turn"]["1"]),
+            ("MT-bench turn 2", "chain", acc["mtbench_chain"]["per_turn"]["2"]),
+            ("MT-bench turn 1", "tree", acc["mtbench_turn1_tree"]),
+            ("ShareGPT test", "chain", acc["sharegpt_chain"]),
+            ("MT-bench turn 1, temperature 1", "chain", acc["mtbench_turn1_temperature1"])]
+    for name, mode, f in rows:
+        curve = ", ".join(f"{a:.2f}" for a in f["acceptance_rate_per_position"])
+        same = "n/a (sampled)" if f["outputs_match_baseline"] is None else str(f["outputs_match_baseline"])
+        lines.append(f"| {name} ({f['num_prompts']} prompts) | {mode} | {f['acceptance_length']:.2f} | {curve} | {same} |")
+    lines += ["", "## Speed (MT-bench first turns, greedy, batch 1, interleaved, median of repeats)", "",
+              "| target | method | tokens/s | speed-up | same output |", "|---|---|---|---|---|"]
+    for target, rows_ in card["speed"].items():
+        for method, r in rows_.items():
+            lines.append(f"| {target} | {method} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
+                         f"{r['outputs_match_target_only']} |")
+    b = card["chain_costs"]
+    lines += ["", f"A chain cycle on the served target: drafting {b['draft_ms_per_cycle']:.1f} ms, verification "
+              f"{b['verify_ms_per_cycle']:.1f} ms, other {b['other_ms_per_cycle']:.1f} ms, against "
+              f"{b['target_only_ms_per_token']:.1f} ms a target-only token: c = {b['c']:.3f}, and tau / (1 + K c) = "
+              f"{b['bound']:.2f} is the speed-up the draft cost allows if verification cost no more than a token."]
+    return "\n".join(lines) + "\n"
+
+
+@hydra.main(config_path="../conf/inference", config_name="drafter_card", version_base="1.3")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    cfg = to_dataclass(DrafterCardConfig, cfg)
+    card = measure(cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "card.json").write_text(json.dumps(card, indent=2))
+    (out / "README.md").write_text(markdown(card))
+    print(markdown(card))
+    print(f"card: {out / 'card.json'}, {out / 'README.md'}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
