@@ -12,10 +12,12 @@ bulk generation (train/regenerate.py's engine=llamacpp).
 and returns its counters: a drafter exported as GGUF (speculators/export_gguf.py) served by llama.cpp.
 """
 
+import ctypes
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +31,7 @@ from pathlib import Path
 from speculators.config import UserError
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist: vendor/llama.cpp is the source built
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 TOOLS = ("llama-server", "llama-bench", "llama-speculative-simple", "llama-completion")
 # AVX-512 (with VNNI) measured no faster on this Q4_1 model (pp128 185 vs 179 tokens/s, tg32 48-50 vs 53, one
 # thread, Sapphire Rapids), so one portable build serves every machine here. Static: the tools do not
@@ -100,6 +103,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when its parent dies (Linux), so a killed regeneration
+    does not leave its server running; elsewhere the parent's close() is the only cleanup."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 class Server:
     """llama-server on 127.0.0.1 serving one GGUF with `slots` parallel sequences of `context` tokens each."""
 
@@ -109,7 +121,7 @@ class Server:
                    "-np", str(slots), "-c", str(slots * context), "-t", str(threads), "-tb", str(threads),
                    "--no-webui", "-cb"]
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="llama-server-")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 120) -> None:
