@@ -171,3 +171,19 @@ def test_the_example_offload_config_composes():
     recipe, _ = typed(composed(["conf=eagle3", "target=llama3_70b_offload"]))
     assert recipe.target.big_model_options() == {"device_map": "auto", "max_memory": {0: "70GiB", "cpu": "120GiB"},
                                                  "offload_folder": "/tmp/offload-llama3-70b"}
+
+
+def test_the_teacher_is_not_autocast_under_bf16_mixed(llama_target, make_drafter, text_batch):
+    """trainer.precision=bf16-mixed autocasts the drafter; the target's features and logits stay the served fp32."""
+    from train.module import DrafterModule
+    from train.optim import OptimConfig
+
+    module = DrafterModule(make_drafter(llama_target), llama_target, OptimConfig(), max_steps=10)
+    expected = llama_target(text_batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        online = module.target_outputs({"input_ids": text_batch})
+        cached = module.target_outputs({"input_ids": text_batch, "last_hidden": expected.last_hidden,
+                                        "aux_hidden": torch.stack(expected.aux_hidden, 1)})
+    for out in (online, cached):
+        assert torch.equal(out.logits, expected.logits)
+    assert all(torch.equal(a, b) for a, b in zip(online.aux_hidden, expected.aux_hidden))

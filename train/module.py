@@ -40,9 +40,11 @@ class DrafterModule(L.LightningModule):
         self.target.to(self.device)
 
     def target_outputs(self, batch: dict) -> TargetOutput:
-        if "last_hidden" in batch:  # data.hidden_states=cache: the target's lm_head turns them into logits
-            return self.target.from_hidden(list(batch["aux_hidden"].unbind(1)), batch["last_hidden"])
-        return self.target(batch["input_ids"])
+        # The teacher is the target as served: under trainer.precision=bf16-mixed only the drafter is autocast.
+        with torch.autocast(self.device.type, enabled=False):
+            if "last_hidden" in batch:  # data.hidden_states=cache: the target's lm_head turns them into logits
+                return self.target.from_hidden(list(batch["aux_hidden"].unbind(1)), batch["last_hidden"])
+            return self.target(batch["input_ids"])
 
     def step(self, batch: dict, stage: str) -> torch.Tensor:
         loss, metrics = self.drafter.training_loss(self.target_outputs(batch), batch["input_ids"], batch["loss_mask"])
