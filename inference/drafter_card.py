@@ -11,21 +11,24 @@ against (training.json's quant, e.g. gguf: the file's own 4-bit blocks):
 - speed on MT-bench first turns, on the fp32 target and on the served (packed) one: target-only
   decoding in our engine, speculative chains and trees, transformers' generate and prompt lookup;
   with the time split of a chain and the bound tau / (1 + K c) its measured costs set;
+- llama.cpp on the same GGUF (a target served from one): llama-completion against
+  llama-speculative-simple with the drafter exported as GGUF (inference/llamacpp.py), interleaved;
 - `check`: what tests/test_shipped_drafter.py measures again (a few prompts, short answers).
 Writes <out>/card.json and <out>/README.md, a card with the training facts of training.json.
 """
 
 import json
+import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from inference import bench, evalsets, report
+from inference import bench, evalsets, llamacpp, report, rounds
 from inference.drafting import DraftingConfig, speculative_tokens
 from inference.evalsets import EvalConfig
-from speculators import export
+from speculators import export, gguf_file
 from speculators.config import at_least, exit_on_user_error, run_cli, to_dataclass
 from speculators.quant import QuantConfig
 from speculators.target import FrozenTarget, TargetConfig
@@ -85,6 +88,28 @@ def speed(target, drafter, cfg: DrafterCardConfig) -> dict:
     return bench.run(target, drafter, None, prompts, bench_cfg)
 
 
+def llamacpp_speed(target, drafter, k: int, cfg: DrafterCardConfig) -> dict | None:
+    """llama.cpp's target-only decoding against its speculative decoding with this drafter (GGUF export),
+    on the speed benchmark's prompts as text; None for a target not served from a GGUF file."""
+    if not target.name_or_path.endswith(".gguf"):
+        return None
+    source = gguf_file.locate(target.name_or_path)
+    eval_cfg = EvalConfig("mtbench", num_prompts=cfg.speed_prompts, turns=1)
+    texts = [target.tokenizer.decode(p.ids) for p in evalsets.prompts(eval_cfg, target, cfg.max_new_tokens)]
+    with tempfile.TemporaryDirectory() as tmp:
+        draft = export.save(drafter, Path(tmp) / "draft.gguf", export.Verifier.of(target), fmt="gguf")
+        ways = {"target_only": lambda text: llamacpp.completion(source, text, cfg.max_new_tokens),
+                "eagle3_chain": lambda text: llamacpp.speculative_simple(source, draft, text, cfg.max_new_tokens,
+                                                                         draft_max=k)}
+        timed = rounds.interleaved(ways, texts, cfg.repeats,
+                                   count=lambda run, _: (run.n_predict, run.n_predict / run.decode_tokens_per_s))
+    base = timed["target_only"].median_tokens_per_s()
+    runs = timed["eagle3_chain"].results
+    return {name: {"tokens_per_second": t.median_tokens_per_s(), "speedup": t.median_tokens_per_s() / base}
+            for name, t in timed.items()} | {
+        "eagle3_acceptance_rate": sum(r.n_accept for r in runs) / max(sum(r.n_drafted for r in runs), 1)}
+
+
 def bound(chain: dict, k: int) -> dict:
     """Where a chain's time goes and the speed-up its measured costs allow: tau / (1 + K c) with c the
     cost of a draft step over a target-only token, and verification priced at a target-only token."""
@@ -110,6 +135,7 @@ def measure(cfg: DrafterCardConfig) -> dict:
     check_cfg = EvalConfig("mtbench", num_prompts=cfg.check_prompts, turns=1)
     card["check"] = serve(packed, drafter, served, check_cfg, "chain", 0.0, cfg.check_new_tokens, cfg.drafter)
     card["speed"] = {"packed": speed(packed, drafter, cfg)}
+    card["llamacpp"] = llamacpp_speed(packed, drafter, k, cfg)
     fp32 = FrozenTarget.load(TargetConfig.named(packed.name_or_path, layer_ids=drafter.layer_ids))
     card["speed"]["fp32"] = speed(fp32, drafter, cfg)
     card |= {"git_revision": report.git_revision(), "machine": report.machine()}
@@ -141,6 +167,12 @@ def markdown(card: dict) -> str:
         for method, r in rows_.items():
             lines.append(f"| {target} | {method} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
                          f"{r['outputs_match_target_only']} |")
+    if card["llamacpp"]:
+        lc = card["llamacpp"]
+        lines += ["", f"llama.cpp on the same GGUF (1 thread, the same prompts as text): target-only "
+                  f"{lc['target_only']['tokens_per_second']:.1f} tokens/s; with this drafter as GGUF "
+                  f"(llama-speculative-simple, K={k}) {lc['eagle3_chain']['tokens_per_second']:.1f} tokens/s "
+                  f"({lc['eagle3_chain']['speedup']:.2f}x), {lc['eagle3_acceptance_rate']:.0%} of draft tokens accepted."]
     b = card["chain_costs"]
     lines += ["", f"A chain cycle on the served target: drafting {b['draft_ms_per_cycle']:.1f} ms, verification "
               f"{b['verify_ms_per_cycle']:.1f} ms, other {b['other_ms_per_cycle']:.1f} ms, against "

@@ -10,6 +10,7 @@ bulk generation (train/regenerate.py's engine=llamacpp).
 
 `speculative_simple` runs llama-speculative-simple (examples/speculative-simple in the source) once
 and returns its counters: a drafter exported as GGUF (speculators/export_gguf.py) served by llama.cpp.
+`completion` runs llama-completion the same way without a drafter: llama.cpp's target-only speed.
 """
 
 import ctypes
@@ -211,3 +212,28 @@ def parse_speculative(stdout: str, stderr: str) -> SpeculativeRun:
                           n_accept=int(number(r"n_accept  = (\d+)")),
                           decode_tokens_per_s=number(r"decoded .*" + speed),
                           prompt_tokens_per_s=number(r"encoded .*" + speed), text=stdout.strip())
+
+
+@dataclass
+class CompletionRun:
+    """llama-completion's summary of one greedy generation."""
+
+    n_predict: int  # tokens decoded after the prompt's pass
+    decode_tokens_per_s: float
+    text: str
+
+
+def completion(target: Path, prompt: str, n_predict: int = 32, threads: int = 1, context: int = 2048,
+               timeout: float = 600) -> CompletionRun:
+    """Greedy target-only generation of `n_predict` tokens after `prompt` with llama-completion."""
+    command = [str(build() / "llama-completion"), "-m", str(target), "-p", prompt, "-n", str(n_predict),
+               "-c", str(context), "-t", str(threads), "--temp", "0", "--seed", "0", "-no-cnv"]
+    done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=timeout)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise UserError(f"llama-completion failed (exit {done.returncode}): {' | '.join(tail)}")
+    found = re.search(r"perf_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", done.stderr)
+    if found is None:
+        raise UserError("llama-completion's log has no 'eval time = ... runs'; its output format changed?")
+    ms, runs = float(found.group(1)), int(found.group(2))
+    return CompletionRun(n_predict=runs, decode_tokens_per_s=1000 * runs / ms, text=done.stdout.strip())

@@ -239,3 +239,11 @@ def test_llamacpp_serves_the_export(gguf_target, make_drafter, tmp_path):
     draft = export.save(make_drafter(target), tmp_path / "d.gguf", Verifier.of(target), fmt="gguf")
     run = llamacpp.speculative_simple(path, draft, "def f(x):", n_predict=16, draft_max=3, context=256)
     assert run.n_predict >= 16 and run.n_drafted > 0 and 0 <= run.n_accept <= run.n_drafted
+
+
+@built
+def test_llamacpp_target_only_completion(gguf_target):
+    """llama.cpp's baseline for the drafter card: greedy, counted tokens and a decode speed."""
+    path, _ = gguf_target
+    run = llamacpp.completion(path, "def f(x):", n_predict=16, context=256)
+    assert run.n_predict >= 15 and run.decode_tokens_per_s > 0 and run.text.startswith("def f(x):")
