@@ -5,7 +5,7 @@ runs one decoder layer whose attention input is concat(input_layernorm(embed(tok
 hidden_norm(h)), 2H wide; the residual carries h. Its own norm and lm_head predict over a
 reduced draft vocabulary (d2t/t2d maps to the target's).
 
-Training-time test (TTT) unrolls the drafter `ttt_steps` times as it runs when serving.
+Training-time test (TTT) unrolls the drafter `num_speculative_tokens` times as it runs when serving.
 At step j, position t reads token t+1+j (teacher-forced) and, for j > 0, its own previous
 output as the hidden input; it is trained to match the target's distribution at t+1+j. Its
 query sees the step-0 keys of positions <= t (the verified context) and the keys of
@@ -29,13 +29,14 @@ from speculators.target import FrozenTarget, TargetOutput
 @dataclass
 class Eagle3Config:
     family: str = "eagle3"
-    ttt_steps: int = 5  # unrolled draft steps in training (anchors use 3 to 7)
+    num_speculative_tokens: int = 5  # K: draft steps unrolled in training (training-time test; anchors use 3 to 7)
     step_decay: float = 0.8  # loss weight of step j is step_decay**j (EAGLE-3: 0.8)
     draft_vocab_size: int = 32000
     norm_before_residual: bool = False  # True: the residual carries hidden_norm(h) instead of h
 
     def __post_init__(self):
-        at_least(1, drafter__ttt_steps=self.ttt_steps, drafter__draft_vocab_size=self.draft_vocab_size)
+        at_least(1, drafter__num_speculative_tokens=self.num_speculative_tokens,
+                 drafter__draft_vocab_size=self.draft_vocab_size)
         require(self.step_decay > 0, "drafter.step_decay", self.step_decay, "> 0")
 
 
@@ -154,7 +155,8 @@ class Eagle3Drafter(nn.Module):
     @classmethod
     def from_speculators_config(cls, config: dict, layer_cfg: LlamaConfig) -> "Eagle3Drafter":
         """An empty drafter shaped by an export's config.json (speculators.export reads the weights)."""
-        cfg = Eagle3Config(ttt_steps=config["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+        k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        cfg = Eagle3Config(num_speculative_tokens=k,
                            draft_vocab_size=config["draft_vocab_size"],
                            norm_before_residual=config["norm_before_residual"])
         return cls(cfg, layer_cfg, config["eagle_aux_hidden_state_layer_ids"], config["target_hidden_size"])
@@ -164,7 +166,7 @@ class Eagle3Drafter(nn.Module):
 
     @property
     def num_speculative_tokens(self) -> int:
-        return self.cfg.ttt_steps
+        return self.cfg.num_speculative_tokens
 
     @property
     def target_hidden_size(self) -> int:
@@ -195,7 +197,7 @@ class Eagle3Drafter(nn.Module):
         every_draft_id = torch.arange(target_draft.shape[-1], device=input_ids.device)
         hidden = self.fuse(target_out.aux_hidden)
         keys, values, loss, metrics = [], [], 0.0, {}
-        for j in range(self.cfg.ttt_steps):
+        for j in range(self.cfg.num_speculative_tokens):
             tokens = shift_left(input_ids, 1 + j)
             # Position t is trained on the distribution at t+1+j, i.e. on predicting token t+2+j.
             counted = shift_left(loss_mask, 2 + j).bool()

@@ -191,7 +191,8 @@ def read_eagle3(config: dict, weights: dict):
 
     layer_cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in EAGLE3_FORMAT_KEYS})
     draft_vocab.check(weights.get("d2t"), weights.get("t2d"), layer_cfg.vocab_size, config["draft_vocab_size"])
-    cfg = Eagle3Config(ttt_steps=config.get("num_speculative_tokens", 5), draft_vocab_size=config["draft_vocab_size"],
+    cfg = Eagle3Config(num_speculative_tokens=config.get("num_speculative_tokens", 5),
+                       draft_vocab_size=config["draft_vocab_size"],
                        norm_before_residual=config.get("norm_before_residual", False))
     drafter = Eagle3Drafter(cfg, layer_cfg, config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
                             config["target_hidden_size"])
@@ -200,7 +201,7 @@ def read_eagle3(config: dict, weights: dict):
 
 def write_medusa(drafter, verifier: Verifier) -> tuple[dict, dict]:
     config = {
-        "medusa_num_heads": drafter.cfg.num_heads,
+        "medusa_num_heads": drafter.cfg.num_speculative_tokens,
         "medusa_num_layers": drafter.cfg.num_layers,
         "base_model_name_or_path": verifier.name_or_path,
         "hidden_size": drafter.target_hidden_size,
@@ -222,7 +223,7 @@ def read_medusa(config: dict, weights: dict):
         raise UserError(f"a Medusa export with medusa_num_layers={layers} needs the weight '0.{layers}.weight' "
                         f"(head 0's vocabulary projection)")
     tree = {"tree_choices": config["medusa_choices"]} if "medusa_choices" in config else {}
-    cfg = MedusaConfig(num_heads=config["medusa_num_heads"], num_layers=layers, **tree)
+    cfg = MedusaConfig(num_speculative_tokens=config["medusa_num_heads"], num_layers=layers, **tree)
     vocab_size, hidden_size = projection.shape
     return MedusaDrafter(cfg, hidden_size, vocab_size), {f"heads.{name}": t for name, t in weights.items()}
 

@@ -115,7 +115,7 @@ def make_drafter(text_batch):
 
     def make(target, seed: int = 0, **fields):
         torch.manual_seed(seed)
-        fields = {"ttt_steps": 3, "draft_vocab_size": DRAFT_VOCAB, **fields}
+        fields = {"num_speculative_tokens": 3, "draft_vocab_size": DRAFT_VOCAB, **fields}
         counts = draft_vocab.count_tokens(text_batch, torch.ones_like(text_batch), target.vocab_size)
         return Eagle3Drafter.from_target(Eagle3Config(**fields), target, counts)
 

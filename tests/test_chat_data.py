@@ -355,7 +355,7 @@ def test_train_eagle3_on_sharegpt_end_to_end(llama_dir, tokenizer, tmp_path):
         "data.batch_size=2", "data.max_val_sequences=2", "data.overlong=skip", "trainer.max_steps=3", "logger=none",
         f"hydra.run.dir={run_dir}", f"target.name_or_path={llama_dir}",
         "target.layer_ids=[" + ",".join(map(str, LAYER_IDS)) + "]", f"drafter.draft_vocab_size={draft}",
-        "drafter.ttt_steps=3", "serve_eval.every_n_steps=0", "trainer.val_every_n_steps=3",
+        "drafter.num_speculative_tokens=3", "serve_eval.every_n_steps=0", "trainer.val_every_n_steps=3",
         "trainer.checkpoint_every_n_steps=3", "trainer.num_threads=1", "trainer.progress_bar=false",
     ], cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]

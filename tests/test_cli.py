@@ -30,7 +30,7 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
     result = run_train([
         "conf=eagle3", "trainer.max_steps=3", "logger=none", f"hydra.run.dir={run_dir}",
         f"target.name_or_path={llama_dir}", f"target.layer_ids={layer_ids}", f"drafter.draft_vocab_size={DRAFT}",
-        "drafter.ttt_steps=3", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
+        "drafter.num_speculative_tokens=3", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
         "trainer.val_every_n_steps=3", "trainer.checkpoint_every_n_steps=3", "trainer.num_threads=1",
         "trainer.log_every_n_steps=2",  # the default progress_bar=true, but output goes to a pipe: lines, no bar
     ], cwd=tmp_path, timeout=900)

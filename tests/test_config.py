@@ -49,7 +49,7 @@ def test_inference_configs_map_onto_their_dataclasses(name, cls):
     ("logger.kind=tensorboard", "logger.kind"),
     ("logger.mode=sometimes", "logger.mode"),
     ("target.dtype=int3", "target.dtype"),
-    ("drafter.ttt_steps=0", "drafter.ttt_steps"),
+    ("drafter.num_speculative_tokens=0", "drafter.num_speculative_tokens"),
     ("drafter.step_decay=0", "drafter.step_decay"),
     ("drafter.family=lookahead", "drafter.family"),
     ("serve_eval.max_new_tokens=0", "serve_eval.max_new_tokens"),

@@ -78,7 +78,7 @@ def train(target_dir: str, devices: int, max_steps: int, run_dir: Path, resume: 
     data = TextDataModule(data_cfg, corpus(), target.tokenizer, seed=0)
     data.setup("fit")
     counts = draft_vocab.count_tokens(data.train_rows, data.train_mask, target.vocab_size)
-    drafter = Eagle3Drafter.from_target(Eagle3Config(ttt_steps=2, draft_vocab_size=DRAFT), target, counts)
+    drafter = Eagle3Drafter.from_target(Eagle3Config(num_speculative_tokens=2, draft_vocab_size=DRAFT), target, counts)
     module = DrafterModule(drafter, target, OptimConfig(lr=1e-2, warmup_steps=2), max_steps=6)
     record = Record()
     cfg = TrainerConfig(max_steps=max_steps, devices=devices, strategy=strategy if devices > 1 else "auto",
@@ -145,7 +145,7 @@ def test_train_py_with_trainer_ddp_runs_two_processes_and_exports_once(strategy,
         f"data.batch_size={batch}", "data.max_val_sequences=2", f"trainer.max_steps={steps}", "logger=none",
         f"hydra.run.dir={run_dir}", f"target.name_or_path={llama_dir}",
         "target.layer_ids=[" + ",".join(map(str, LAYER_IDS)) + "]", "drafter.draft_vocab_size=96",
-        "drafter.ttt_steps=2", f"serve_eval.every_n_steps={steps if strategy == 'fsdp' else 0}",
+        "drafter.num_speculative_tokens=2", f"serve_eval.every_n_steps={steps if strategy == 'fsdp' else 0}",
         "serve_eval.max_new_tokens=8", f"trainer.val_every_n_steps={steps}",
         f"trainer.checkpoint_every_n_steps={steps}", "trainer.progress_bar=false",
     ], cwd=tmp_path, timeout=600)

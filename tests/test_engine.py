@@ -454,7 +454,7 @@ def test_prompt_longer_than_the_context_is_a_user_error(llama_target, make_draft
 @pytest.mark.parametrize("norm_before_residual", [False, True])
 def test_step_equals_the_training_time_test_unroll(target, make_drafter, text_batch, norm_before_residual):
     steps_n, T = 4, 32
-    drafter = make_drafter(target, ttt_steps=steps_n, norm_before_residual=norm_before_residual)
+    drafter = make_drafter(target, num_speculative_tokens=steps_n, norm_before_residual=norm_before_residual)
     ids = text_batch[:, :T]
     B = ids.shape[0]
     out = target(ids)
@@ -466,12 +466,14 @@ def test_step_equals_the_training_time_test_unroll(target, make_drafter, text_ba
         drafter.training_loss(out, ids, torch.ones_like(ids))
     handle.remove()
     assert len(ttt) == steps_n
+    # Training sends only counted positions through the lm_head: step j's are t < T - 2 - j, row-major.
+    ttt = [logits.view(B, T - 2 - j, -1) for j, logits in enumerate(ttt)]
 
     # Step 0 = serving over a whole prefix: at position t the token t+1 and the features of t.
     fused = drafter.fuse(out.aux_hidden)
     cache = drafter.new_cache(B, T + steps_n)
     logits0, hidden0 = drafter.step(cache, shift_left(ids, 1), fused)
-    torch.testing.assert_close(logits0, ttt[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits0[:, : T - 2], ttt[0], atol=1e-5, rtol=1e-5)
 
     # The same prefix fed in pieces (prefill, then accepted runs), as the engine does, gives the same.
     pieces = drafter.new_cache(B, T)
@@ -480,12 +482,12 @@ def test_step_equals_the_training_time_test_unroll(target, make_drafter, text_ba
         got.append(drafter.step(pieces, shift_left(ids, 1)[:, start:start + size], fused[:, start:start + size])[0])
         start += size
     assert start == T
-    torch.testing.assert_close(torch.cat(got, 1), ttt[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(got, 1)[:, : T - 2], ttt[0], atol=1e-5, rtol=1e-5)
 
     # Step j at position t = a chain of j steps after the context 0..t, fed the teacher-forced tokens
     # t+2..t+1+j and the drafter's own previous hidden output; rotary position t+j.
     # (A fresh cache per t: a chain overwrites the cache entries after t, which the next t needs.)
-    for t in range(T - steps_n):
+    for t in range(T - 1 - steps_n):
         cache = drafter.new_cache(B, t + steps_n)
         _, hidden = drafter.step(cache, shift_left(ids, 1)[:, : t + 1], fused[:, : t + 1])
         torch.testing.assert_close(hidden[:, -1], hidden0[:, t], atol=1e-5, rtol=1e-5)

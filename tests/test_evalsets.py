@@ -131,7 +131,7 @@ def test_the_chat_sets_still_need_a_chat_template(llama_target):
 
 
 def test_measure_reports_figures_per_turn(chat_target, make_drafter, two_turns):
-    drafter = make_drafter(chat_target).eval()  # ttt_steps=3
+    drafter = make_drafter(chat_target).eval()  # num_speculative_tokens=3
     prompts = evalsets.prompts(two_turns, chat_target, NEW_TOKENS)
     result = report.measure(chat_target, drafter, prompts, report.InferenceConfig(drafter="unused",
                                                                                  max_new_tokens=NEW_TOKENS))

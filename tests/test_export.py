@@ -27,7 +27,7 @@ def trained_a_little(drafter, target, ids, steps=3):
 
 @pytest.mark.parametrize("norm_before_residual", [False, True])
 def test_save_load_round_trip(target, make_drafter, text_batch, tmp_path, norm_before_residual):
-    drafter = trained_a_little(make_drafter(target, ttt_steps=4, norm_before_residual=norm_before_residual),
+    drafter = trained_a_little(make_drafter(target, num_speculative_tokens=4, norm_before_residual=norm_before_residual),
                                target, text_batch)
     out_dir = export.save(drafter, tmp_path / "export", Verifier("org/verifier-model", ["SomeForCausalLM"]))
     assert out_dir == tmp_path / "export"
@@ -59,7 +59,7 @@ def test_save_load_round_trip(target, make_drafter, text_batch, tmp_path, norm_b
 def test_bf16_export_without_embeddings_takes_the_targets(llama_target, make_drafter, text_batch, tmp_path):
     """The shipped form: bfloat16 weights, embed_tokens left out (the target's own); loaded back and given
     the target's embeddings it drafts what the bf16-rounded drafter drafts."""
-    drafter = trained_a_little(make_drafter(llama_target, ttt_steps=2), llama_target, text_batch)
+    drafter = trained_a_little(make_drafter(llama_target, num_speculative_tokens=2), llama_target, text_batch)
     out_dir = export.save(drafter, tmp_path / "lean", Verifier.of(llama_target), dtype="bfloat16",
                           shared_embedding=True)
     with safe_open(str(out_dir / "model.safetensors"), "pt") as f:
@@ -83,7 +83,7 @@ def test_bf16_export_without_embeddings_takes_the_targets(llama_target, make_dra
 
 
 def test_config_and_tensors_in_the_export(target, make_drafter, tmp_path):
-    drafter = make_drafter(target, ttt_steps=3)
+    drafter = make_drafter(target, num_speculative_tokens=3)
     out_dir = export.save(drafter, tmp_path / "export", Verifier("/models/my-target", Verifier.of(target).architectures))
     config = json.loads((out_dir / "config.json").read_text())
     V, N = target.vocab_size, DRAFT_VOCAB
@@ -193,7 +193,7 @@ def test_load_refuses_other_model_types_and_missing_files(llama_target, make_dra
 def test_eagle3_original_format_round_trip_serves_identically(llama_target, make_drafter, text_batch, tmp_path):
     from inference.engine import generate
 
-    drafter = trained_a_little(make_drafter(llama_target, ttt_steps=3), llama_target, text_batch).eval()
+    drafter = trained_a_little(make_drafter(llama_target, num_speculative_tokens=3), llama_target, text_batch).eval()
     out_dir = export.save(drafter, tmp_path / "sglang", Verifier.of(llama_target), fmt="eagle3")
     config = json.loads((out_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
@@ -220,7 +220,7 @@ def test_eagle3_original_format_refuses_what_it_cannot_hold(llama_target, make_d
                     fmt="eagle3")
     from speculators.medusa import MedusaConfig, MedusaDrafter
 
-    medusa = MedusaDrafter(MedusaConfig(num_heads=2), llama_target.hidden_size, llama_target.vocab_size)
+    medusa = MedusaDrafter(MedusaConfig(num_speculative_tokens=2), llama_target.hidden_size, llama_target.vocab_size)
     for fmt in ("speculators", "eagle3", "eagle"):
         with pytest.raises(UserError, match=f"the {fmt} format holds .* not medusa"):
             export.save(medusa, tmp_path / "e", Verifier("v", []), fmt=fmt)

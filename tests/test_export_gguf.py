@@ -197,7 +197,7 @@ def test_refuses_what_llamacpp_cannot_serve(llama_target, llama_dir, make_drafte
     from speculators.medusa import MedusaConfig, MedusaDrafter
 
     out = tmp_path / "d.gguf"
-    medusa = MedusaDrafter(MedusaConfig(num_heads=2), llama_target.hidden_size, llama_target.vocab_size)
+    medusa = MedusaDrafter(MedusaConfig(num_speculative_tokens=2), llama_target.hidden_size, llama_target.vocab_size)
     for drafter in (medusa, make_peagle(llama_target, text_batch)):
         with pytest.raises(UserError, match="the gguf format holds eagle3 drafters, not"):
             export.save(drafter, out, Verifier(str(llama_dir), []), fmt="gguf")

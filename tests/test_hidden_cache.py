@@ -140,7 +140,7 @@ def test_build_then_train_from_the_cache_on_the_command_line(llama_dir, data_fil
     assert built.returncode == 0, built.stderr[-3000:]
     assert "bytes per token" in built.stdout.splitlines()[-1]
 
-    train = common + ["trainer.max_steps=2", "drafter.ttt_steps=2", "drafter.draft_vocab_size=64",
+    train = common + ["trainer.max_steps=2", "drafter.num_speculative_tokens=2", "drafter.draft_vocab_size=64",
                       "trainer.val_every_n_steps=2", "trainer.checkpoint_every_n_steps=2", "trainer.progress_bar=false",
                       f"hydra.run.dir={tmp_path / 'run'}"]
     refused = run_train(train, cwd=tmp_path, timeout=600)  # eagle3.yaml serves the drafter every 100 steps

@@ -46,14 +46,14 @@ def test_quant_serves_the_training_recipes_quantized_targets():
 
 
 def test_a_drafter_trained_with_three_steps_is_served_with_k_3(llama_dir, tmp_path, monkeypatch):
-    """drafter.ttt_steps=3: the export says 3, and every inference command drafts 3 tokens unless told otherwise."""
+    """drafter.num_speculative_tokens=3: the export says 3, and every inference command drafts 3 tokens unless told otherwise."""
     from test_reliability import copy_small_stdlib, replace_key, run_in_process, tiny_inference, tiny_training
 
     from inference import bench, compare, evalsets, parity, quant_report, report
 
     run_dir, stdlib = tmp_path / "run", tmp_path / "stdlib"
     stdlib.mkdir()
-    args = replace_key(tiny_training(llama_dir, copy_small_stdlib(stdlib), run_dir), "drafter.ttt_steps=3")
+    args = replace_key(tiny_training(llama_dir, copy_small_stdlib(stdlib), run_dir), "drafter.num_speculative_tokens=3")
     code, stderr = run_in_process("train", args, monkeypatch)
     assert code in (0, None), stderr
     exported = run_dir / "export"

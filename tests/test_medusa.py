@@ -30,7 +30,7 @@ def make_medusa(target, seed: int = 0, perturb: bool = True, **fields) -> Medusa
     """A Medusa drafter for `target`; `perturb` adds noise to every weight, so that no head is the
     identity or the lm_head (which would hide a wrong head, shift or weight)."""
     torch.manual_seed(seed)
-    drafter = MedusaDrafter.from_target(MedusaConfig(**{"num_heads": K, **fields}), target,
+    drafter = MedusaDrafter.from_target(MedusaConfig(**{"num_speculative_tokens": K, **fields}), target,
                                         torch.ones(target.vocab_size))
     if perturb:
         with torch.no_grad():
@@ -65,7 +65,7 @@ def test_the_recipe_mirrors_the_config_and_the_family_is_registered():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("num_heads", 0), ("num_layers", 0), ("head_decay", 0.0), ("head_decay", 1.5), ("head_decay", math.inf),
+    ("num_speculative_tokens", 0), ("num_layers", 0), ("head_decay", 0.0), ("head_decay", 1.5), ("head_decay", math.inf),
     ("head_decay", math.nan), ("loss", "mse"), ("tree_choices", []), ("tree_choices", [[]]),
     ("tree_choices", [[0], [-1]]), ("tree_choices", [[0], [0]]), ("tree_choices", [[0, 0], [0]]),
     ("tree_choices", [1, 2]), ("tree_choices", [[0.5]]), ("tree_choices", [[True]]), ("tree_choices", [["a"]]),
@@ -81,7 +81,7 @@ def test_bad_config_values_are_one_line_errors_naming_the_key(field, value):
 def test_default_tree_is_a_16_node_tree_over_3_heads():
     cfg = MedusaConfig()
     assert cfg.tree_choices == DEFAULT_TREE and len(DEFAULT_TREE) == 16
-    assert MedusaConfig(num_heads=1).tree_choices == DEFAULT_TREE  # deeper paths are simply not drafted
+    assert MedusaConfig(num_speculative_tokens=1).tree_choices == DEFAULT_TREE  # deeper paths are simply not drafted
     assert [sum(len(path) == d for path in DEFAULT_TREE) for d in (1, 2, 3)] == [6, 8, 2]
 
 
@@ -328,7 +328,7 @@ def test_train_medusa_through_the_cli(llama_dir, tmp_path):
     run_dir = tmp_path / "run"
     result = run_train([
         "conf=medusa", "trainer.max_steps=3", "logger=none", f"hydra.run.dir={run_dir}",
-        f"target.name_or_path={llama_dir}", f"drafter.num_heads={K}", "data.seq_len=64", "data.batch_size=2",
+        f"target.name_or_path={llama_dir}", f"drafter.num_speculative_tokens={K}", "data.seq_len=64", "data.batch_size=2",
         "data.max_val_sequences=2", "trainer.val_every_n_steps=3", "trainer.checkpoint_every_n_steps=3",
         "trainer.num_threads=1", "trainer.progress_bar=false", "serve_eval.every_n_steps=0",
     ], cwd=tmp_path, timeout=900)

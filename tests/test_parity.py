@@ -26,7 +26,7 @@ def run_dir(llama_target, make_drafter, text_batch, tmp_path_factory):
     continuations = [generate(llama_target, None, p, 30, k=0).tokens for p in prompts]
     length = min(len(p) + len(c) for p, c in zip(prompts, continuations))
     ids = torch.tensor([(p + c)[:length] for p, c in zip(prompts, continuations)])
-    drafter = make_drafter(llama_target, ttt_steps=3, draft_vocab_size=llama_target.vocab_size)
+    drafter = make_drafter(llama_target, num_speculative_tokens=3, draft_vocab_size=llama_target.vocab_size)
     out = llama_target(ids)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(120):

@@ -256,7 +256,7 @@ def test_train_eagle3_against_an_int4_target(llama_dir, tmp_path):
     result = run_train([
         "conf=eagle3", "quant=int4", "trainer.max_steps=2", "logger=none", f"hydra.run.dir={tmp_path / 'run'}",
         f"target.name_or_path={llama_dir}", f"target.layer_ids={layer_ids}", "drafter.draft_vocab_size=96",
-        "drafter.ttt_steps=2", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
+        "drafter.num_speculative_tokens=2", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
         "trainer.val_every_n_steps=2", "trainer.checkpoint_every_n_steps=2", "trainer.num_threads=1",
         "trainer.progress_bar=false", "serve_eval.every_n_steps=0",
     ], cwd=tmp_path, timeout=900)

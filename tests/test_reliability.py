@@ -75,7 +75,7 @@ def tiny_training(llama_dir: Path, stdlib: Path, run_dir: Path, recipe: str = "e
                 "model.intermediate_size=64", "model.num_hidden_layers=2"]
     # The groups of the quick recipes, whatever the recipe's own (eagle3_smollm2 serves a GGUF, packed)
     return [f"conf={recipe}", "target=pycode", "data=stdlib", "quant=none", "eval=data",
-            f"hydra.run.dir={run_dir}", f"target.name_or_path={llama_dir}",
+            "++data.path=null", f"hydra.run.dir={run_dir}", f"target.name_or_path={llama_dir}",
             f"target.layer_ids=[{','.join(map(str, LAYER_IDS))}]", f"data.stdlib_path={stdlib}", "data.seq_len=32",
             "data.batch_size=2", "data.max_val_sequences=2", "trainer.max_steps=2", "trainer.val_every_n_steps=2",
             "trainer.checkpoint_every_n_steps=2", "trainer.progress_bar=false", "serve_eval.every_n_steps=0",
@@ -83,7 +83,7 @@ def tiny_training(llama_dir: Path, stdlib: Path, run_dir: Path, recipe: str = "e
                               if any(key == f"drafter.{name}" for key, _ in TRAIN_KEYS[recipe])]
 
 
-SMALL_DRAFTER = {"draft_vocab_size": 64, "ttt_steps": 2, "num_speculative_tokens": 2}  # where the family has them
+SMALL_DRAFTER = {"draft_vocab_size": 64, "num_speculative_tokens": 2}  # where the family has them
 
 
 @pytest.fixture(scope="module")
