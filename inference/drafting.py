@@ -192,7 +192,7 @@ PROPOSERS = {
 
 def modes(drafter) -> list[str]:
     """The drafting modes a drafter can be served with."""
-    kind = getattr(drafter, "drafting_kind", "autoregressive")
+    kind = drafter.drafting_kind
     return sorted(mode for (family_kind, mode) in PROPOSERS if family_kind == kind)
 
 
@@ -210,7 +210,7 @@ def make_proposer(drafter, k: int, vocab_size: int, max_len: int, drafting: Draf
     if drafting.mode not in modes(drafter):
         raise UserError(f"drafting.mode={drafting.mode!r} is not available for a {type(drafter).__name__}; "
                         f"allowed: {', '.join(modes(drafter))}")
-    kind = getattr(drafter, "drafting_kind", "autoregressive")
+    kind = drafter.drafting_kind
     return PROPOSERS[kind, drafting.mode](drafter, k, vocab_size, max_len, drafting)
 
 
@@ -361,7 +361,7 @@ BATCH_PROPOSERS = {"autoregressive": BatchChainProposer, "heads": BatchMedusaCha
 
 
 def make_batch_proposer(drafter, k: int, vocab_size: int, max_len: int, pads: torch.Tensor):
-    kind = getattr(drafter, "drafting_kind", "autoregressive")
+    kind = drafter.drafting_kind
     if kind not in BATCH_PROPOSERS:
         raise UserError(f"batches of prompts are not served for a {type(drafter).__name__} yet; use batch_size=1")
     return BATCH_PROPOSERS[kind](drafter, k, vocab_size, max_len, pads)

@@ -103,7 +103,7 @@ def check_pair(target: FrozenTarget, drafter) -> None:
         problems.append(f"vocabulary size {len(drafter.t2d)} (drafter) vs {target.vocab_size} (target)")
     if len(drafter.d2t) != drafter.lm_head.out_features:
         problems.append(f"d2t length {len(drafter.d2t)} vs the drafter's {drafter.lm_head.out_features} draft tokens")
-    if max(getattr(drafter, "layer_ids", None) or [0]) >= target.num_layers:
+    if max(drafter.layer_ids or [0]) >= target.num_layers:
         problems.append(f"feature layer ids {drafter.layer_ids} (drafter) vs a target of {target.num_layers} layers")
     if problems:
         raise UserError("drafter does not fit the target: " + "; ".join(problems))

@@ -47,7 +47,7 @@ def likely_cause(target, drafter, reference: dict) -> str:
     if reference.get("target") not in (None, target.name_or_path):
         return f"served with target {target.name_or_path}, trained against {reference['target']}"
     trained_layers = reference.get("target_layer_ids")
-    if trained_layers is not None and trained_layers != getattr(drafter, "layer_ids", trained_layers):
+    if trained_layers is not None and trained_layers != drafter.layer_ids:
         return f"the export reads target layers {drafter.layer_ids}, training used {trained_layers}"
     if hasattr(getattr(drafter, "cfg", None), "norm_before_residual"):
         flipped = replace(drafter.cfg, norm_before_residual=not drafter.cfg.norm_before_residual)

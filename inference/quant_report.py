@@ -115,7 +115,7 @@ def load(cfg: QuantReportConfig) -> tuple[dict[str, FrozenTarget], dict[str, tor
     drafters = {FULL: load_drafter("drafter", cfg.drafter, QuantConfig())}
     drafters |= {s: load_drafter(f"quantized_drafters.{s}", path, cfg.quant(s))
                  for s, path in cfg.quantized_drafters.items()}
-    target_cfg = TargetConfig.named(cfg.target, layer_ids=getattr(drafters[FULL], "layer_ids", None))
+    target_cfg = TargetConfig.named(cfg.target, layer_ids=drafters[FULL].layer_ids)
     targets = {FULL: FrozenTarget.load(target_cfg)} | {s: FrozenTarget.load(target_cfg, cfg.quant(s))
                                                        for s in cfg.schemes}
     for drafter in drafters.values():
@@ -156,10 +156,10 @@ def describe(quant: QuantConfig) -> str:
 
 def served_with(target: FrozenTarget, drafter) -> FrozenTarget:
     """The target as `drafter` reads it: the same model, the drafter's feature layers."""
-    layer_ids = getattr(drafter, "layer_ids", None)
-    if drafter is None or layer_ids is None or list(layer_ids) == target.layer_ids:
+    if drafter is None or list(drafter.layer_ids) == target.layer_ids:
         return target
-    return FrozenTarget(target.model, target.tokenizer, target.name_or_path, layer_ids)
+    return FrozenTarget(target.model, target.tokenizer, target.name_or_path, drafter.layer_ids,
+                        fingerprint=target.fingerprint())
 
 
 # --- measuring ----------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
     drafter, verifier = export.load(Path(drafter_path))
     if not (target_path or verifier):
         raise UserError(f"{drafter_path} does not name its target (original EAGLE-3 format); pass target=<path or hub id>")
-    target_cfg = TargetConfig.named(target_path or verifier, layer_ids=getattr(drafter, "layer_ids", None))
+    target_cfg = TargetConfig.named(target_path or verifier, layer_ids=drafter.layer_ids)
     target = FrozenTarget.load(target_cfg, quant or QuantConfig())
     check_trained_for(drafter_path, target)
     export.share_target_embedding(drafter, target)

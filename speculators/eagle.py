@@ -45,8 +45,8 @@ from torch import nn
 from transformers import LlamaConfig
 
 from kernels import distill_loss
-from speculators import draft_vocab
 from speculators.config import at_least, require
+from speculators.drafter import Drafter
 from speculators.eagle3 import (
     Eagle3Attention,
     Eagle3DecoderLayer,
@@ -87,7 +87,7 @@ class EagleDecoderLayer(nn.Module):
     finish = Eagle3DecoderLayer.finish  # o_proj, residual add, MLP: as in EAGLE-3
 
 
-class EagleDrafter(nn.Module):
+class EagleDrafter(Drafter):
     config_class = EagleConfig
     export_format = "eagle"
     drafting_kind = "autoregressive"  # served one step per draft token (inference.drafting)
@@ -116,20 +116,8 @@ class EagleDrafter(nn.Module):
         return drafter
 
     @property
-    def num_speculative_tokens(self) -> int:
-        return self.cfg.num_speculative_tokens
-
-    @property
     def target_hidden_size(self) -> int:
         return self.fc.in_features // 2
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return []  # reads only the target's last hidden state
-
-    @property
-    def draft_to_target(self) -> torch.Tensor:
-        return draft_vocab.target_ids(self.d2t)
 
     def fuse(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """fc([embed(tokens); hidden]): the layer's input and its residual."""

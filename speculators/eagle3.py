@@ -22,6 +22,7 @@ from transformers import LlamaConfig
 from kernels import distill_loss
 from speculators import draft_vocab
 from speculators.config import UserError, at_least, require
+from speculators.drafter import Drafter
 from speculators.layers import KVCache, RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
 from speculators.target import FrozenTarget, TargetOutput
 
@@ -118,7 +119,7 @@ class Eagle3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(Drafter):
     config_class = Eagle3Config
     export_format = "speculators"
     speculators_model_type = "eagle3"
@@ -165,16 +166,8 @@ class Eagle3Drafter(nn.Module):
         return {}
 
     @property
-    def num_speculative_tokens(self) -> int:
-        return self.cfg.num_speculative_tokens
-
-    @property
     def target_hidden_size(self) -> int:
         return self.fc.in_features // len(self.layer_ids)
-
-    @property
-    def draft_to_target(self) -> torch.Tensor:
-        return draft_vocab.target_ids(self.d2t)
 
     def fuse(self, aux_hidden: list[torch.Tensor]) -> torch.Tensor:
         return self.fc(torch.cat(aux_hidden, dim=-1))

@@ -350,7 +350,7 @@ def load(path: Path) -> tuple[torch.nn.Module, str | None]:
 
 def share_target_embedding(drafter, target) -> None:
     """Give a drafter exported without its embeddings (shared_embedding) the target's, as vLLM does."""
-    if getattr(drafter, "embedding_from_target", False):
+    if drafter.embedding_from_target:
         with torch.no_grad():
             drafter.embed_tokens.weight.copy_(target.embedding_weight().float())
         drafter.embedding_from_target = False

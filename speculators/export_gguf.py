@@ -84,7 +84,7 @@ def save(drafter, out: Path, target_name: str, overwrite: bool = False) -> Path:
         raise UserError(f"{out} already exists; pass overwrite=true to replace it")
     target = read_target(target_name, drafter.layer_ids)
     check_target(drafter, target)
-    own_embedding = not (getattr(drafter, "embedding_from_target", False)  # exported without it: the target's
+    own_embedding = not (drafter.embedding_from_target  # exported without it: the target's
                          or torch.equal(drafter.embed_tokens.weight.detach().float().cpu(), target.embedding))
     tensors = gguf_tensors(drafter, write_embedding=own_embedding)
     check_shapes(drafter, tensors)

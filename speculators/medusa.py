@@ -42,8 +42,8 @@ from torch import nn
 
 from kernels import distill_loss
 from kernels.distill import KINDS
-from speculators import draft_vocab
 from speculators.config import UserError, at_least, one_of, require
+from speculators.drafter import Drafter
 from speculators.eagle3 import shift_left
 from speculators.target import FrozenTarget, TargetOutput
 
@@ -106,7 +106,7 @@ def medusa_head(hidden_size: int, vocab_size: int, num_layers: int) -> nn.Sequen
                          nn.Linear(hidden_size, vocab_size, bias=False))
 
 
-class MedusaDrafter(nn.Module):
+class MedusaDrafter(Drafter):
     config_class = MedusaConfig
     export_format = "medusa"
     drafting_kind = "heads"  # all drafts from the heads at one position (inference.drafting)
@@ -131,10 +131,6 @@ class MedusaDrafter(nn.Module):
         return drafter
 
     @property
-    def num_speculative_tokens(self) -> int:
-        return self.cfg.num_speculative_tokens
-
-    @property
     def target_hidden_size(self) -> int:
         return self.lm_head.in_features
 
@@ -142,14 +138,6 @@ class MedusaDrafter(nn.Module):
     def lm_head(self) -> nn.Linear:
         """Head 1's vocabulary projection; every head's has this shape (what engine.check_pair reads)."""
         return self.heads[0][-1]
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return []  # reads only the target's last hidden state
-
-    @property
-    def draft_to_target(self) -> torch.Tensor:
-        return draft_vocab.target_ids(self.d2t)
 
     def training_loss(self, target_out: TargetOutput, input_ids: torch.Tensor, loss_mask: torch.Tensor):
         """Decayed sum over heads of the soft cross-entropy (or KL) to the target's distribution

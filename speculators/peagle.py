@@ -58,6 +58,7 @@ from transformers import LlamaConfig
 from kernels import distill_loss
 from speculators import draft_vocab
 from speculators.config import UserError, at_least, require
+from speculators.drafter import Drafter
 from speculators.eagle3 import (
     Eagle3Attention,
     Eagle3DecoderLayer,
@@ -122,7 +123,7 @@ class LayerCaches(list):
             cache.crop(length)
 
 
-class PEagleDrafter(nn.Module):
+class PEagleDrafter(Drafter):
     config_class = PEagleConfig
     export_format = "speculators"
     speculators_model_type = "peagle"
@@ -184,16 +185,8 @@ class PEagleDrafter(nn.Module):
                 "down_sample_ratio_min": self.cfg.min_keep}
 
     @property
-    def num_speculative_tokens(self) -> int:
-        return self.cfg.num_speculative_tokens
-
-    @property
     def target_hidden_size(self) -> int:
         return self.fc.in_features // len(self.layer_ids)
-
-    @property
-    def draft_to_target(self) -> torch.Tensor:
-        return draft_vocab.target_ids(self.d2t)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The target's embeddings, with the learned mask embedding wherever mask_token_id stands."""

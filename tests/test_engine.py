@@ -145,6 +145,8 @@ class OracleDrafter:
     Full target vocabulary as its draft vocabulary; its "hidden" is the fused features, passed through.
     """
 
+    drafting_kind = "autoregressive"  # served as EAGLE drafters are (speculators/drafter.py's contract)
+
     def __init__(self, target, seq: list[int], wrong):
         H, V = target.hidden_size, target.vocab_size
         self.seq, self.wrong, self.vocab_size = seq, wrong, V

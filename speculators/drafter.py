@@ -1,0 +1,46 @@
+"""The drafter contract: what every family implements (speculators/eagle3.py, eagle.py, peagle.py,
+medusa.py) and all that training (train/module.py), serving (inference/drafting.py, inference/engine.py)
+and export (speculators/export.py) may read. A new family is one file subclassing Drafter, registered
+in speculators/families.py, and one recipe in conf/conf/.
+"""
+
+import torch
+from torch import nn
+
+from speculators import draft_vocab
+from speculators.target import FrozenTarget, TargetOutput
+
+
+class Drafter(nn.Module):
+    config_class: type  # the family's config dataclass (the recipe's drafter.* keys); it has num_speculative_tokens
+    export_format: str  # the format speculators.export writes by default (its FORMATS key)
+    drafting_kind: str  # how inference.drafting serves it: autoregressive | parallel | heads
+    layer_ids: list[int] = []  # target layers whose hidden states it reads; [] (EAGLE-1, Medusa): the last one only
+    embedding_from_target = False  # loaded from an export without embed_tokens: export.share_target_embedding fills it
+    cfg: object  # an instance of config_class
+    d2t: torch.Tensor  # draft id -> target id offset [N] (speculators/draft_vocab.py)
+    t2d: torch.Tensor  # target id -> in the draft vocabulary [V]
+
+    @classmethod
+    def from_target(cls, cfg, target: FrozenTarget, token_counts: torch.Tensor) -> "Drafter":
+        """A new drafter for `target`; token_counts [V] (training tokens) choose a draft vocabulary."""
+        raise NotImplementedError
+
+    def training_loss(self, target_out: TargetOutput, input_ids: torch.Tensor,
+                      loss_mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(loss, metrics with acc_step{j} for every draft position j) of a batch, given the target's outputs."""
+        raise NotImplementedError
+
+    @property
+    def target_hidden_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """K: the draft tokens it was trained to propose (what serving drafts unless told otherwise)."""
+        return self.cfg.num_speculative_tokens
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """Target token ids of the draft vocabulary, in draft-id order."""
+        return draft_vocab.target_ids(self.d2t)
