@@ -124,15 +124,14 @@ def summary(rows: list[Method]) -> list[dict]:
     table = []
     for row in rows:
         speed = statistics.median(t / s for t, s in zip(row.tokens, row.seconds))
-        drafts = max(row.stats.num_drafts, 1)
         table.append({
             "method": row.name,
             "drafting": row.drafting.mode if row.drafter is not None else None,
             "num_speculative_tokens": row.k if row.drafter is not None else None,
-            "acceptance_length": 1 + row.stats.num_accepted_tokens / drafts if row.drafter is not None else None,
+            "acceptance_length": row.stats.acceptance_length if row.drafter is not None else None,
             "acceptance_length_stderr": tau_standard_error(row.stats.accepted_at, row.stats.num_drafts)
             if row.drafter is not None else None,
-            "acceptance_rate_per_position": [a / drafts for a in row.stats.accepted_at],
+            "acceptance_rate_per_position": row.stats.acceptance_rates,
             "draft_vocabulary_coverage": vocabulary_coverage(row.drafter, rows[0].outputs)
             if row.drafter is not None else None,
             "num_drafts": row.stats.num_drafts,

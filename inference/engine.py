@@ -59,6 +59,17 @@ class Stats:
         for i in range(accepted):
             self.accepted_at[i] += 1
 
+    @property
+    def acceptance_length(self) -> float:
+        """tau = 1 + accepted / drafts (vLLM's definition): tokens a verification pass yields, on average.
+        Every report reads it here."""
+        return 1 + self.num_accepted_tokens / max(self.num_drafts, 1)
+
+    @property
+    def acceptance_rates(self) -> list[float]:
+        """Per draft position i: the share of drafts whose token i was accepted."""
+        return [a / max(self.num_drafts, 1) for a in self.accepted_at]
+
     def add(self, other: "Stats") -> None:
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "row_accepted_tokens", "target_forwards", "ttft_s", "decode_s",
                      "draft_s", "verify_s"):

@@ -40,7 +40,7 @@ def served_tau(target, drafter, reference: dict) -> float:
     for i, row in enumerate(reference["prompts"]):
         stats.add(generate(target, drafter, row["prompt_ids"], cfg["max_new_tokens"], cfg["num_speculative_tokens"],
                            cfg["temperature"], cfg["seed"] + i, drafting).stats)
-    return 1 + stats.num_accepted_tokens / max(stats.num_drafts, 1)
+    return stats.acceptance_length
 
 
 def likely_cause(target, drafter, reference: dict) -> str:

@@ -200,7 +200,7 @@ def measure(targets: dict, drafters: dict, prompts: list[Prompt], cfg: QuantRepo
         rows[way] = {
             "target": target, "drafter": drafter, "weight_bytes": weight_bytes(targets[target].model),
             "decode_tokens_per_s": speed, "tokens_per_s_repeats": run.tokens_per_s, "speedup_vs_baseline": speed / base,
-            "acceptance_length": acceptance_length(run.stats) if drafter else None,
+            "acceptance_length": run.stats.acceptance_length if drafter else None,
             "greedy_agreement": agreement, "mean_equal_prefix": equal_prefix, "mean_kl_fp_to_served": kl[target],
             # greedy speculation reproduces the same target's greedy output (w8a8: not always, speculators/quant.py)
             "same_output_as_target_alone": statistics.mean(a == b for a, b in zip(run.outputs, alone.outputs))
@@ -222,10 +222,6 @@ def measure(targets: dict, drafters: dict, prompts: list[Prompt], cfg: QuantRepo
                                "trained_against": "full precision" if key == FULL else key,
                                "num_speculative_tokens": ks[key]} for key in drafters},
             "config": asdict(cfg), "git_revision": report.git_revision(), "machine": report.machine()}
-
-
-def acceptance_length(stats) -> float:
-    return 1 + stats.num_accepted_tokens / max(stats.num_drafts, 1)  # as inference.report.measure
 
 
 def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:

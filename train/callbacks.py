@@ -53,10 +53,9 @@ class ServeEvalCallback(L.Callback):
             for ids in self.prompts:
                 stats.add(generate(self.target, drafter, ids, self.cfg.max_new_tokens, self.k).stats)
         drafter.train()
-        drafts = max(stats.num_drafts, 1)
-        module.log("serve/acceptance_length", 1 + stats.num_accepted_tokens / drafts, prog_bar=True)
-        for i, accepted in enumerate(stats.accepted_at, 1):
-            module.log(f"serve/acceptance_pos{i}", accepted / drafts)
+        module.log("serve/acceptance_length", stats.acceptance_length, prog_bar=True)
+        for i, rate in enumerate(stats.acceptance_rates, 1):
+            module.log(f"serve/acceptance_pos{i}", rate)
 
 
 class CheckpointOnSignal(L.Callback):
