@@ -14,7 +14,8 @@ against (training.json's quant, e.g. gguf: the file's own 4-bit blocks):
 - llama.cpp on the same GGUF (a target served from one): llama-completion against
   llama-speculative-simple with the drafter exported as GGUF (inference/llamacpp.py), interleaved;
 - `check`: what tests/test_shipped_drafter.py measures again (a few prompts, short answers).
-Writes <out>/card.json and <out>/README.md, a card with the training facts of training.json.
+Writes <out>/card.json and <out>/README.md, a card with the training facts of training.json and, when
+the drafter folder has one, its hand-written RECIPE.md (the data, the schedule and why) verbatim.
 """
 
 import json
@@ -126,8 +127,10 @@ def measure(cfg: DrafterCardConfig) -> dict:
     served = QuantConfig(**record.get("quant", {}))
     drafter, packed = report.load_pair(cfg.drafter, quant=served)
     k = speculative_tokens(drafter, None)
+    recipe = Path(cfg.drafter) / "RECIPE.md"
     card = {"drafter": cfg.drafter, "target": packed.name_or_path, "served_quant": asdict(served), "k": k,
-            "training": record, "config": asdict(cfg), "acceptance": {}}
+            "training": record, "recipe": recipe.read_text() if recipe.is_file() else None, "config": asdict(cfg),
+            "acceptance": {}}
     for name, (eval_cfg, mode, temperature) in acceptance_sets(cfg).items():
         card["acceptance"][name] = serve(packed, drafter, served, eval_cfg, mode, temperature, cfg.max_new_tokens,
                                          cfg.drafter)
@@ -150,6 +153,7 @@ def markdown(card: dict) -> str:
              f"Trained here for {t.get('steps')} steps ({t.get('tokens_seen', 0):,} tokens seen) against the target "
              f"served as quant={card['served_quant']['scheme']}; K={k} draft tokens. Every figure below is measured "
              f"by `python -m inference.drafter_card` (card.json holds them all, with the machine and revision).", "",
+             *([card["recipe"].strip(), ""] if card["recipe"] else []),
              "## Acceptance (greedy unless said; outputs compared with target-only decoding)", "",
              "| eval set | drafting | tau | acceptance per position | same output |", "|---|---|---|---|---|"]
     rows = [("MT-bench turn 1", "chain", acc["mtbench_chain"]["per_turn"]["1"]),
