@@ -27,6 +27,7 @@ import hydra
 from omegaconf import DictConfig
 
 from inference import bench, evalsets, llamacpp, report, rounds
+from inference.compare import vocabulary_coverage
 from inference.drafting import DraftingConfig, speculative_tokens
 from inference.evalsets import EvalConfig
 from speculators import export, gguf_file
@@ -71,7 +72,8 @@ def serve(target, drafter, served: QuantConfig, eval_cfg: EvalConfig, mode: str,
     cfg = report.InferenceConfig(drafter=drafter_path, quant=served, eval=eval_cfg, max_new_tokens=max_new_tokens,
                                  temperature=temperature, drafting=DraftingConfig(mode))
     result = report.measure(target, drafter, evalsets.prompts(eval_cfg, target, max_new_tokens), cfg)
-    figures = {key: result[key] for key in KEPT}
+    figures = {key: result[key] for key in KEPT} | {
+        "draft_vocabulary_coverage": vocabulary_coverage(drafter, [r["baseline_output_ids"] for r in result["prompts"]])}
     for turn, f in (result["per_turn"] or {}).items():
         rows = [row for row in result["prompts"] if str(row["turn"]) == turn]
         same = all(row["matches_baseline"] for row in rows) if temperature == 0 else None
@@ -155,7 +157,8 @@ def markdown(card: dict) -> str:
              f"by `python -m inference.drafter_card` (card.json holds them all, with the machine and revision).", "",
              *([card["recipe"].strip(), ""] if card["recipe"] else []),
              "## Acceptance (greedy unless said; outputs compared with target-only decoding)", "",
-             "| eval set | drafting | tau | acceptance per position | same output |", "|---|---|---|---|---|"]
+             "| eval set | drafting | tau | acceptance per position | same output | target tokens in the draft vocabulary |",
+             "|---|---|---|---|---|---|"]
     rows = [("MT-bench turn 1", "chain", acc["mtbench_chain"]["per_turn"]["1"]),
             ("MT-bench turn 2", "chain", acc["mtbench_chain"]["per_turn"]["2"]),
             ("MT-bench turn 1", "tree", acc["mtbench_turn1_tree"]),
@@ -164,7 +167,9 @@ def markdown(card: dict) -> str:
     for name, mode, f in rows:
         curve = ", ".join(f"{a:.2f}" for a in f["acceptance_rate_per_position"])
         same = "n/a (sampled)" if f["outputs_match_baseline"] is None else str(f["outputs_match_baseline"])
-        lines.append(f"| {name} ({f['num_prompts']} prompts) | {mode} | {f['acceptance_length']:.2f} | {curve} | {same} |")
+        coverage = f"{f['draft_vocabulary_coverage']:.1%}" if "draft_vocabulary_coverage" in f else "-"
+        lines.append(f"| {name} ({f['num_prompts']} prompts) | {mode} | {f['acceptance_length']:.2f} | {curve} | {same} "
+                     f"| {coverage} |")
     lines += ["", "## Speed (MT-bench first turns, greedy, batch 1, interleaved, median of repeats)", "",
               "| target | method | tokens/s | speed-up | same output |", "|---|---|---|---|---|"]
     for target, rows_ in card["speed"].items():
