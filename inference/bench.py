@@ -41,6 +41,7 @@ class BenchConfig:
     max_new_tokens: int = 64
     num_speculative_tokens: int | None = None  # K; None: the drafter's own
     modes: list[str] | None = None  # drafting modes to run (chain, tree); None: every mode the drafter has
+    chain_lengths: list[int] = field(default_factory=list)  # more chain lengths K to time beside the drafter's own
     tree_top_k: int = 4  # as in inference.drafting.DraftingConfig
     tree_total_tokens: int = 16
     prompt_lookup_tokens: int = 10
@@ -52,6 +53,7 @@ class BenchConfig:
                 self.num_speculative_tokens, ">= 1, or null for the drafter's own")
         at_least(1, max_new_tokens=self.max_new_tokens, prompt_lookup_tokens=self.prompt_lookup_tokens,
                  repeats=self.repeats)
+        require(all(k >= 1 for k in self.chain_lengths), "chain_lengths", self.chain_lengths, "chain lengths >= 1")
 
 
 def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
@@ -62,10 +64,9 @@ def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
     hf = dict(do_sample=False, max_new_tokens=cfg.max_new_tokens,
               pad_token_id=target.tokenizer.pad_token_id)
 
-    def speculative(mode: str):
+    def speculative(mode: str, k: int):
         how = drafting.DraftingConfig(mode, cfg.tree_top_k, cfg.tree_total_tokens)
-        return lambda ids: generate(target, drafter, ids, cfg.max_new_tokens, cfg.num_speculative_tokens,
-                                    drafting=how).tokens
+        return lambda ids: generate(target, drafter, ids, cfg.max_new_tokens, k, drafting=how).tokens
 
     def hf_generate(ids, **extra):
         out = target.model.generate(torch.tensor([ids]), **hf, **extra)
@@ -73,7 +74,9 @@ def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
 
     runs = {
         "target_only": lambda ids: generate(target, None, ids, cfg.max_new_tokens, 0).tokens,
-        **{f"speculative_{mode}": speculative(mode) for mode in cfg.modes or drafting.modes(drafter)},
+        **{f"speculative_{mode}": speculative(mode, cfg.num_speculative_tokens)
+           for mode in cfg.modes or drafting.modes(drafter)},
+        **{f"speculative_chain_k{k}": speculative("chain", k) for k in cfg.chain_lengths},
         "hf_greedy": hf_generate,
         "hf_prompt_lookup": lambda ids: hf_generate(ids, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens),
     }
@@ -91,8 +94,13 @@ def run(target, drafter, assistant, prompts: list[list[int]], cfg: BenchConfig) 
                    "speedup": t.median_tokens_per_s() / base,
                    # every method here is greedy: each must reproduce target-only greedy output
                    "outputs_match_target_only": t.results == timed["target_only"].results}
-            | ({"num_speculative_tokens": cfg.num_speculative_tokens} if name.startswith("speculative_") else {})
+            | ({"num_speculative_tokens": chain_length(name, cfg)} if name.startswith("speculative_") else {})
             for name, t in timed.items()}
+
+
+def chain_length(method: str, cfg: BenchConfig) -> int:
+    """K of a speculative method: speculative_chain_k<K> or the run's own."""
+    return int(method.rsplit("_k", 1)[1]) if "_k" in method else cfg.num_speculative_tokens
 
 
 def load_assistant(path: str | None, target):

@@ -20,7 +20,7 @@ the drafter folder has one, its hand-written RECIPE.md (the data, the schedule a
 
 import json
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import hydra
@@ -31,7 +31,7 @@ from inference.compare import vocabulary_coverage
 from inference.drafting import DraftingConfig, speculative_tokens
 from inference.evalsets import EvalConfig
 from speculators import export, gguf_file
-from speculators.config import at_least, exit_on_user_error, run_cli, to_dataclass
+from speculators.config import at_least, exit_on_user_error, require, run_cli, to_dataclass
 from speculators.quant import QuantConfig
 from speculators.target import FrozenTarget, TargetConfig
 
@@ -49,10 +49,12 @@ class DrafterCardConfig:
     max_new_tokens: int = 128
     speed_prompts: int = 4  # MT-bench first turns in the speed benchmark
     repeats: int = 3
+    chain_lengths: list[int] = field(default_factory=lambda: [1, 2, 3])  # shorter chains timed beside K
     check_prompts: int = 3  # what the shipped-drafter test serves again
     check_new_tokens: int = 48
 
     def __post_init__(self):
+        require(all(k >= 1 for k in self.chain_lengths), "chain_lengths", self.chain_lengths, "chain lengths >= 1")
         at_least(1, num_prompts=self.num_prompts, max_new_tokens=self.max_new_tokens, speed_prompts=self.speed_prompts,
                  repeats=self.repeats, check_prompts=self.check_prompts, check_new_tokens=self.check_new_tokens)
 
@@ -83,11 +85,13 @@ def serve(target, drafter, served: QuantConfig, eval_cfg: EvalConfig, mode: str,
 
 
 def speed(target, drafter, cfg: DrafterCardConfig) -> dict:
-    """bench.run on MT-bench first turns: tokens/s and speed-up over our own target-only decoding."""
+    """bench.run on MT-bench first turns: tokens/s and speed-up over our own target-only decoding, for
+    chains of the drafter's K, trees, and the shorter chains cfg.chain_lengths."""
     eval_cfg = EvalConfig("mtbench", num_prompts=cfg.speed_prompts, turns=1)
     prompts = [p.ids for p in evalsets.prompts(eval_cfg, target, cfg.max_new_tokens)]
+    shorter = [k for k in cfg.chain_lengths if k != drafter.num_speculative_tokens]
     bench_cfg = bench.BenchConfig(drafter=cfg.drafter, eval=eval_cfg, max_new_tokens=cfg.max_new_tokens,
-                                  repeats=cfg.repeats)
+                                  repeats=cfg.repeats, chain_lengths=shorter)
     return bench.run(target, drafter, None, prompts, bench_cfg)
 
 

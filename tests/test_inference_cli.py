@@ -72,8 +72,10 @@ def test_a_drafter_trained_with_three_steps_is_served_with_k_3(llama_dir, tmp_pa
     prompts = evalsets.prompts_of([["def add(a, b):\n"]], None, target, 4)
     ids = [p.ids for p in prompts]
     rows = bench.run(target, drafter, None, ids, bench.BenchConfig(drafter=str(exported), max_new_tokens=4,
-                                                                  modes=["chain"], repeats=1))
+                                                                  modes=["chain"], repeats=1, chain_lengths=[1]))
     assert rows["speculative_chain"]["num_speculative_tokens"] == 3
+    assert rows["speculative_chain_k1"]["num_speculative_tokens"] == 1
+    assert rows["speculative_chain_k1"]["outputs_match_target_only"] is True
     rows = compare.methods([(str(exported), drafter, None)], compare.CompareConfig(drafters=[str(exported)]))
     compare.run(target, rows, ids, compare.CompareConfig(drafters=[str(exported)], max_new_tokens=4, repeats=1))
     assert [len(r["acceptance_rate_per_position"]) for r in compare.summary(rows)] == [0, 3]
