@@ -1,0 +1,64 @@
+"""Tau against training tokens: the acceptance reports of runs (or checkpoints) of one recipe, on a plot.
+
+    python -m inference.curve RUN_DIR [RUN_DIR ...] --out results/smollm2/data_curve
+
+Each RUN_DIR holds what `python train.py` writes: export/training.json (tokens seen) and
+acceptance/report.json (the closing report, inference/report.py). A checkpoint becomes such a
+folder with `python train.py <its recipe> resume=<checkpoint> trainer.max_steps=<its step>
+hydra.run.dir=<folder>`: no step is trained, the export and the report are written. Writes
+<out>.json (the points) and <out>.png.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from speculators.config import UserError, exit_on_user_error
+
+
+def point(run_dir: Path) -> dict:
+    training, report = run_dir / "export" / "training.json", run_dir / "acceptance" / "report.json"
+    for file in (training, report):
+        if not file.is_file():
+            raise UserError(f"{run_dir}: no {file.relative_to(run_dir)} (a finished `python train.py` run directory?)")
+    facts, figures = json.loads(training.read_text()), json.loads(report.read_text())
+    return {"run": str(run_dir), "steps": facts["steps"], "tokens_seen": facts["tokens_seen"],
+            "acceptance_length": figures["acceptance_length"],
+            "acceptance_rate_per_position": figures["acceptance_rate_per_position"],
+            "eval": figures["config"]["eval"], "max_new_tokens": figures["config"]["max_new_tokens"],
+            "outputs_match_baseline": figures["outputs_match_baseline"]}
+
+
+def plot(points: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot([p["tokens_seen"] / 1e6 for p in points], [p["acceptance_length"] for p in points], marker="o")
+    ax.set(xlabel="training tokens seen (millions)", ylabel="tau (acceptance length)", title=title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m inference.curve", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, required=True, help="path without suffix: <out>.json and <out>.png")
+    parser.add_argument("--title", default="tau against training tokens")
+    args = parser.parse_args(argv)
+    points = sorted((point(run) for run in args.runs), key=lambda p: p["tokens_seen"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(points, indent=2))
+    plot(points, args.out.with_suffix(".png"), args.title)
+    for p in points:
+        print(f"{p['steps']:>6} steps {p['tokens_seen']:>12,} tokens  tau {p['acceptance_length']:.3f}")
+    print(f"curve: {args.out.with_suffix('.json')}, {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""`python -m inference.curve`: tau against tokens seen, from run directories."""
+
+import json
+
+import pytest
+
+from inference import curve
+
+
+def fake_run(path, steps: int, tau: float):
+    (path / "export").mkdir(parents=True)
+    (path / "acceptance").mkdir()
+    (path / "export" / "training.json").write_text(json.dumps({"steps": steps, "tokens_seen": steps * 4096}))
+    report = {"acceptance_length": tau, "acceptance_rate_per_position": [tau - 1], "outputs_match_baseline": True,
+              "config": {"eval": {"name": "mtbench"}, "max_new_tokens": 64}}
+    (path / "acceptance" / "report.json").write_text(json.dumps(report))
+    return path
+
+
+def test_points_sorted_by_tokens_with_a_plot(tmp_path, capsys):
+    runs = [fake_run(tmp_path / "late", 200, 1.3), fake_run(tmp_path / "early", 50, 1.1)]
+    curve.main([str(r) for r in runs] + ["--out", str(tmp_path / "out" / "curve")])
+    points = json.loads((tmp_path / "out" / "curve.json").read_text())
+    assert [p["tokens_seen"] for p in points] == [50 * 4096, 200 * 4096]
+    assert [p["acceptance_length"] for p in points] == [1.1, 1.3]
+    assert (tmp_path / "out" / "curve.png").stat().st_size > 0
+    assert "tau 1.300" in capsys.readouterr().out
+
+
+def test_a_folder_that_is_not_a_run_is_one_line(tmp_path):
+    with pytest.raises(SystemExit) as stopped:
+        curve.main([str(tmp_path), "--out", str(tmp_path / "c")])
+    assert "no export/training.json" in str(stopped.value) and "\n" not in str(stopped.value)
