@@ -35,7 +35,8 @@ from speculators.config import at_least, exit_on_user_error, require, run_cli, t
 from speculators.quant import QuantConfig
 from speculators.target import FrozenTarget, TargetConfig
 
-KEPT = ("acceptance_length", "acceptance_rate_per_position", "num_prompts", "num_drafts", "outputs_match_baseline",
+KEPT = ("acceptance_length", "acceptance_rate_per_position", "num_prompts", "num_drafts", "num_draft_tokens",
+        "num_accepted_tokens", "outputs_match_baseline",
         "tokens_per_second", "baseline_tokens_per_second", "speedup", "time_split_s")
 
 
@@ -145,6 +146,10 @@ def measure(cfg: DrafterCardConfig) -> dict:
     card["check"] = serve(packed, drafter, served, check_cfg, "chain", 0.0, cfg.check_new_tokens, cfg.drafter)
     card["speed"] = {"packed": speed(packed, drafter, cfg)}
     card["llamacpp"] = llamacpp_speed(packed, drafter, k, cfg)
+    if card["llamacpp"]:  # our engine on the same prompts, for llama.cpp's accepted share of draft tokens
+        same = EvalConfig("mtbench", num_prompts=cfg.speed_prompts, turns=1)
+        ours = serve(packed, drafter, served, same, "chain", 0.0, cfg.max_new_tokens, cfg.drafter)
+        card["llamacpp"]["ours_acceptance_rate"] = ours["num_accepted_tokens"] / max(ours["num_draft_tokens"], 1)
     fp32 = FrozenTarget.load(TargetConfig.named(packed.name_or_path, layer_ids=drafter.layer_ids))
     card["speed"]["fp32"] = speed(fp32, drafter, cfg)
     card |= {"git_revision": report.git_revision(), "machine": report.machine()}
@@ -185,7 +190,8 @@ def markdown(card: dict) -> str:
         lines += ["", f"llama.cpp on the same GGUF (1 thread, the same prompts as text): target-only "
                   f"{lc['target_only']['tokens_per_second']:.1f} tokens/s; with this drafter as GGUF "
                   f"(llama-speculative-simple, K={k}) {lc['eagle3_chain']['tokens_per_second']:.1f} tokens/s "
-                  f"({lc['eagle3_chain']['speedup']:.2f}x), {lc['eagle3_acceptance_rate']:.0%} of draft tokens accepted."]
+                  f"({lc['eagle3_chain']['speedup']:.2f}x), {lc['eagle3_acceptance_rate']:.1%} of draft tokens accepted "
+                  f"(our engine on the same prompts: {lc['ours_acceptance_rate']:.1%})."]
     b = card["chain_costs"]
     lines += ["", f"A chain cycle on the served target: drafting {b['draft_ms_per_cycle']:.1f} ms, verification "
               f"{b['verify_ms_per_cycle']:.1f} ms, other {b['other_ms_per_cycle']:.1f} ms, against "
