@@ -12,7 +12,16 @@ trains step j on the target's distribution 1 + j positions ahead); positions wit
 no gradient reaches target_logits. Inputs may be fp32, fp16 or bf16 (cast to fp32 before any
 arithmetic); the loss is fp32, the gradient has draft_logits' dtype.
 
-Three implementations of the same math:
+The LK losses (arXiv 2602.23881) train the acceptance itself: alpha = sum_j min(p_j, q_j) = 1 - TV(p, q),
+the chance that a draft sampled from q is accepted against p (over the draft vocabulary):
+
+    lk        = -log alpha
+    lk_hybrid = w KL(p||q) + (1 - w)(1 - alpha),  w = exp(-LK_ETA * alpha) held constant
+
+Their gradient is not q - p, so they run through autograd on the torch definition (`distill_loss_reference`,
+a few [B, T, D] fp32 temporaries); soft_ce and kl have the fused paths below.
+
+Three implementations of soft_ce and kl:
 - `distill_loss_reference`: plain torch; materialises several [B, T, D] fp32 tensors (p,
   log q, their product, gradients). The test oracle and the benchmark's baseline.
 - `distill_loss_chunked` (the CPU path): an autograd.Function over chunks of positions. It
@@ -31,7 +40,9 @@ import triton.language as tl
 
 from kernels.dispatch import use_triton
 
-KINDS = ("soft_ce", "kl")
+KINDS = ("soft_ce", "kl", "lk", "lk_hybrid")
+FUSED = ("soft_ce", "kl")  # the kinds the chunked and Triton paths implement
+LK_ETA = 3.0  # lk_hybrid leans on KL while alpha is small, on TV as alpha grows (the paper's eta)
 CHUNK_ELEMENTS = 1 << 18  # positions per chunk of the torch path = CHUNK_ELEMENTS // D (1 MB per fp32 temporary)
 BLOCK = 2048  # draft-vocab columns per step of the Triton kernels
 
@@ -39,6 +50,8 @@ BLOCK = 2048  # draft-vocab columns per step of the Triton kernels
 def distill_loss(draft_logits, target_logits, draft_to_target, mask, *, kind: str, shift: int = 0):
     """Per-position loss [B, T] (or [T]): draft_logits [B, T, D] (or [T, D]), target_logits
     [B, T, V], draft_to_target [D] target ids, mask [B, T] bool; see the module doc."""
+    if kind not in FUSED:
+        return distill_loss_reference(draft_logits, target_logits, draft_to_target, mask, kind=kind, shift=shift)
     if use_triton(draft_logits):
         return distill_loss_triton(draft_logits, target_logits, draft_to_target, mask, kind=kind, shift=shift)
     return distill_loss_chunked(draft_logits, target_logits, draft_to_target, mask, kind=kind, shift=shift)
@@ -82,14 +95,28 @@ def distill_loss_reference(draft_logits, target_logits, draft_to_target, mask, *
     check_inputs(draft_logits, target_logits, draft_to_target, mask, kind, shift)
     T = draft_logits.shape[-2]
     n = max(T - shift, 0)  # positions that have a target
-    log_q = torch.log_softmax(draft_logits[..., :n, :].float(), dim=-1)
-    t = target_logits.detach()[..., shift:, :][..., draft_to_target].float()
+    counted = mask[..., :n, None]  # masked positions may hold anything: zeros keep their gradient finite (0)
+    log_q = torch.log_softmax(torch.where(counted, draft_logits[..., :n, :].float(), 0.0), dim=-1)
+    t = torch.where(counted, target_logits.detach()[..., shift:, :][..., draft_to_target].float(), 0.0)
     if kind == "soft_ce":  # as speculators.eagle3 computes it
         loss = -(torch.softmax(t, dim=-1) * log_q).sum(-1)
-    else:
+    elif kind == "kl":
         loss = F.kl_div(log_q, torch.log_softmax(t, dim=-1), reduction="none", log_target=True).sum(-1)
+    else:
+        loss = acceptance_loss(log_q, torch.log_softmax(t, dim=-1), kind)
     loss = torch.where(mask[..., :n], loss, 0.0)
     return torch.cat([loss, loss.new_zeros(loss.shape[:-1] + (T - n,))], dim=-1)
+
+
+def acceptance_loss(log_q: torch.Tensor, log_p: torch.Tensor, kind: str) -> torch.Tensor:
+    """The LK losses of the module doc, per position."""
+    p, q = log_p.exp(), log_q.exp()
+    alpha = torch.minimum(p, q).sum(-1)
+    if kind == "lk":
+        return -torch.log(alpha.clamp(min=1e-6))
+    kl = (p * (log_p - log_q)).sum(-1)
+    w = torch.exp(-LK_ETA * alpha.detach())
+    return w * kl + (1 - w) * (1 - alpha)
 
 
 # --- chunked torch path ----------------------------------------------------------------------
@@ -99,6 +126,8 @@ def distill_loss_chunked(draft_logits, target_logits, draft_to_target, mask, *, 
                          chunk: int | None = None):
     """The CPU path: `chunk` positions at a time (default CHUNK_ELEMENTS // D)."""
     check_inputs(draft_logits, target_logits, draft_to_target, mask, kind, shift)
+    if kind not in FUSED:
+        raise ValueError(f"kind={kind!r} has no fused path; distill_loss runs it through the reference")
     chunk = chunk or max(1, CHUNK_ELEMENTS // max(draft_logits.shape[-1], 1))
     z, t, m = as_batched(draft_logits, target_logits, mask)
     loss = _Chunked.apply(z, t, draft_to_target, m, kind == "kl", shift, chunk)
@@ -156,6 +185,8 @@ def distill_loss_triton(draft_logits, target_logits, draft_to_target, mask, *, k
                         block: int = BLOCK):
     """The Triton kernels; `block` draft-vocab columns per step (a power of two)."""
     check_inputs(draft_logits, target_logits, draft_to_target, mask, kind, shift)
+    if kind not in FUSED:
+        raise ValueError(f"kind={kind!r} has no fused path; distill_loss runs it through the reference")
     z, t, m = as_batched(draft_logits, target_logits, mask)
     loss = _Triton.apply(z, t, draft_to_target, m, kind == "kl", shift, block)
     return loss.view(mask.shape)

@@ -45,7 +45,8 @@ from torch import nn
 from transformers import LlamaConfig
 
 from kernels import distill_loss
-from speculators.config import at_least, require
+from kernels.distill import KINDS
+from speculators.config import at_least, one_of, require
 from speculators.drafter import Drafter
 from speculators.eagle3 import (
     Eagle3Attention,
@@ -66,6 +67,7 @@ class EagleConfig:
     regression_weight: float = 1.0  # SmoothL1 feature regression (EAGLE: v_w = 1.0)
     distillation_weight: float = 0.1  # soft cross-entropy to the target's next-token distribution (EAGLE: p_w = 0.1)
     input_noise: float = 0.2  # width a of the uniform noise U(-a/2, a/2) on input features in training
+    loss: str = "soft_ce"  # its distillation term (kernels/distill.py): soft_ce | kl (one gradient) | lk | lk_hybrid
 
     def __post_init__(self):
         at_least(1, drafter__num_speculative_tokens=self.num_speculative_tokens)
@@ -73,6 +75,7 @@ class EagleConfig:
                  drafter__distillation_weight=self.distillation_weight, drafter__input_noise=self.input_noise)
         require(self.regression_weight + self.distillation_weight > 0, "drafter.distillation_weight",
                 self.distillation_weight, "> 0 when drafter.regression_weight is 0 (nothing would be trained)")
+        one_of("drafter.loss", self.loss, KINDS)
 
 
 class EagleDecoderLayer(nn.Module):
@@ -144,11 +147,11 @@ class EagleDrafter(Drafter):
         predicted = self.unrolled_step(0, shift_left(input_ids, 1), features, keys, values)
         logits = self.lm_head(predicted)
         regression = F.smooth_l1_loss(predicted, shift_left(target_out.last_hidden, 1), reduction="none").mean(-1)
-        soft_ce = distill_loss(logits, target_out.logits, self.draft_to_target, counted, kind="soft_ce", shift=1)
-        regression, soft_ce = masked_mean(regression, counted), masked_mean(soft_ce, counted)
-        loss = self.cfg.regression_weight * regression + self.cfg.distillation_weight * soft_ce
+        distillation = distill_loss(logits, target_out.logits, self.draft_to_target, counted, kind=self.cfg.loss, shift=1)
+        regression, distillation = masked_mean(regression, counted), masked_mean(distillation, counted)
+        loss = self.cfg.regression_weight * regression + self.cfg.distillation_weight * distillation
         target_argmax = target_out.logits.argmax(-1)
-        metrics = {"loss_regression": regression.detach(), "loss_distillation": soft_ce.detach(),
+        metrics = {"loss_regression": regression.detach(), "loss_distillation": distillation.detach(),
                    "acc_step0": accuracy(logits, target_argmax, loss_mask, 0)}
         if not self.training:
             metrics |= self.chain_accuracy(input_ids, loss_mask, target_argmax, predicted, keys, values)

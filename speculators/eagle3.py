@@ -20,8 +20,9 @@ from torch import nn
 from transformers import LlamaConfig
 
 from kernels import distill_loss
+from kernels.distill import KINDS
 from speculators import draft_vocab
-from speculators.config import UserError, at_least, require
+from speculators.config import UserError, at_least, one_of, require
 from speculators.drafter import Drafter
 from speculators.layers import KVCache, RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
 from speculators.target import FrozenTarget, TargetOutput
@@ -34,11 +35,13 @@ class Eagle3Config:
     step_decay: float = 0.8  # loss weight of step j is step_decay**j (EAGLE-3: 0.8)
     draft_vocab_size: int = 32000
     norm_before_residual: bool = False  # True: the residual carries hidden_norm(h) instead of h
+    loss: str = "soft_ce"  # distillation loss (kernels/distill.py): soft_ce | kl (one gradient) | lk | lk_hybrid
 
     def __post_init__(self):
         at_least(1, drafter__num_speculative_tokens=self.num_speculative_tokens,
                  drafter__draft_vocab_size=self.draft_vocab_size)
         require(self.step_decay > 0, "drafter.step_decay", self.step_decay, "> 0")
+        one_of("drafter.loss", self.loss, KINDS)
 
 
 def layer_config(target: FrozenTarget) -> LlamaConfig:
@@ -205,9 +208,9 @@ class Eagle3Drafter(Drafter):
             # Only counted positions reach the lm_head (prompts and padding are half of a chat batch).
             rows, cols = counted.nonzero(as_tuple=True)
             logits = self.logits(hidden[rows, cols])
-            soft_ce = distill_loss(logits, target_draft[rows, cols + 1 + j], every_draft_id, trained[rows, cols],
-                                   kind="soft_ce")
-            step_loss = soft_ce.sum() / trained.sum().clamp(min=1)
+            per_position = distill_loss(logits, target_draft[rows, cols + 1 + j], every_draft_id, trained[rows, cols],
+                                        kind=self.cfg.loss)
+            step_loss = per_position.sum() / trained.sum().clamp(min=1)
             loss = loss + self.cfg.step_decay**j * step_loss
             hits = self.draft_to_target[logits.argmax(-1)] == target_argmax[rows, cols + 1 + j]
             metrics[f"loss_step{j}"] = step_loss.detach()

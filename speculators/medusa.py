@@ -18,7 +18,8 @@ Loss, distilled from the target rather than from the data's tokens:
 p_{t+k} = softmax(target logits at t+k) is the target's distribution of token t+k+1, the one
 head k drafts at t; position t counts when token t+k+1 is loss-masked (as eagle3.py counts).
 head_decay = 0.8 is Medusa's (its head k weighs 0.8^k). `loss: kl` uses KL(p || q) instead:
-the same gradient; the logged value drops p's entropy, so a perfect head shows 0.
+the same gradient; the logged value drops p's entropy, so a perfect head shows 0. `lk`, `lk_hybrid`:
+the acceptance losses of kernels/distill.py.
 
 The vocabulary is the target's, whole: d2t is zeros, t2d all true, draft id = target id.
 
@@ -58,7 +59,7 @@ class MedusaConfig:
     num_speculative_tokens: int = 5  # K, Medusa's heads: head k drafts the token k positions after the target's next one
     num_layers: int = 1  # ResBlocks per head (Medusa: 1)
     head_decay: float = 0.8  # head k's loss weighs head_decay**k (Medusa: 0.8)
-    loss: str = "soft_ce"  # soft_ce or kl to the target's distribution (the same gradient)
+    loss: str = "soft_ce"  # distillation loss (kernels/distill.py): soft_ce | kl (one gradient) | lk | lk_hybrid
     # Paths of per-head ranks (lists of ints), checked by check_tree: OmegaConf's own errors for a
     # list[list[int]] field lose the key's name.
     tree_choices: list = field(default_factory=lambda: [list(path) for path in DEFAULT_TREE])

@@ -56,8 +56,9 @@ from torch import nn
 from transformers import LlamaConfig
 
 from kernels import distill_loss
+from kernels.distill import KINDS
 from speculators import draft_vocab
-from speculators.config import UserError, at_least, require
+from speculators.config import UserError, at_least, one_of, require
 from speculators.drafter import Drafter
 from speculators.eagle3 import (
     Eagle3Attention,
@@ -81,6 +82,7 @@ class PEagleConfig:
     min_keep: float = 0.2  # r_min
     norm_before_residual: bool = False  # True: layer 0's residual carries hidden_norm(h) instead of h
     mask_token_id: int | None = None  # input token of depths >= 1; None: the least frequent token of the training data
+    loss: str = "soft_ce"  # distillation loss (kernels/distill.py): soft_ce | kl (one gradient) | lk | lk_hybrid
 
     def __post_init__(self):
         at_least(1, drafter__num_speculative_tokens=self.num_speculative_tokens, drafter__num_layers=self.num_layers,
@@ -89,6 +91,7 @@ class PEagleConfig:
         require(0 <= self.min_keep <= 1, "drafter.min_keep", self.min_keep, "in [0, 1]")
         if self.mask_token_id is not None:
             at_least(0, drafter__mask_token_id=self.mask_token_id)
+        one_of("drafter.loss", self.loss, KINDS)
 
     def keep_probability(self, depth: int) -> float:
         return 1.0 if depth == 0 else max(self.keep_ratio**depth, self.min_keep)
@@ -246,13 +249,13 @@ class PEagleDrafter(Drafter):
         trained = counted & self.t2d[target_argmax]
         # Restricted to the draft vocab before gathering rows, so no [P, V] copy is made.
         target_logits = target_out.logits[..., self.draft_to_target][row, learned]
-        soft_ce = distill_loss(logits, target_logits, torch.arange(logits.shape[-1], device=logits.device), trained,
-                               kind="soft_ce")
+        per_position = distill_loss(logits, target_logits, torch.arange(logits.shape[-1], device=logits.device), trained,
+                                    kind=self.cfg.loss)
         hits = (self.draft_to_target[logits.argmax(-1)] == target_argmax) & counted
         loss, metrics = 0.0, {}
         for d in range(self.num_speculative_tokens):
             at_depth = depth == d
-            step_loss = (soft_ce * (trained & at_depth)).sum() / (trained & at_depth).sum().clamp(min=1)
+            step_loss = (per_position * (trained & at_depth)).sum() / (trained & at_depth).sum().clamp(min=1)
             loss = loss + step_loss
             metrics[f"loss_step{d}"] = step_loss.detach()
             metrics[f"acc_step{d}"] = (hits & at_depth).sum() / (counted & at_depth).sum().clamp(min=1)

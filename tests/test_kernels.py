@@ -128,6 +128,55 @@ def test_distill_loss_reference_is_the_eagle3_loss_and_kl():
     torch.testing.assert_close(kl, soft_ce - shift_left(entropy, shift))
 
 
+def test_lk_losses_are_the_acceptance_rate():
+    """alpha = sum min(p, q) = 1 - TV(p, q): lk = -log alpha, lk_hybrid = w KL + (1 - w)(1 - alpha) with
+    w = exp(-3 alpha); both vanish where the draft equals the target."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, D, V, shift = 2, 6, 13, 40, 1
+    z, t = torch.randn(B, T, D, generator=gen), torch.randn(B, T, V, generator=gen)
+    draft_to_target = torch.randperm(V, generator=gen)[:D].sort().values
+    mask = torch.ones(B, T, dtype=torch.bool)
+    p = torch.softmax(t[..., shift:, :][..., draft_to_target], -1)
+    q = torch.softmax(z[..., :-shift, :], -1)
+    alpha = 1 - 0.5 * (p - q).abs().sum(-1)
+    lk = distill_loss(z, t, draft_to_target, mask, kind="lk", shift=shift)
+    torch.testing.assert_close(lk[..., :-shift], -alpha.log())
+    kl = distill_loss_reference(z, t, draft_to_target, mask, kind="kl", shift=shift)[..., :-shift]
+    w = torch.exp(-3 * alpha)
+    hybrid = distill_loss(z, t, draft_to_target, mask, kind="lk_hybrid", shift=shift)
+    torch.testing.assert_close(hybrid[..., :-shift], w * kl + (1 - w) * (1 - alpha))
+    same = torch.zeros(B, T, V)
+    same[..., draft_to_target] = z
+    for kind in ("lk", "lk_hybrid"):
+        assert distill_loss(z, same, draft_to_target, mask, kind=kind).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["lk", "lk_hybrid"])
+def test_lk_training_raises_acceptance_and_ignores_padding(kind):
+    """A few gradient steps on the LK loss raise sum min(p, q); garbage in masked positions neither
+    reaches the loss nor the gradient."""
+    gen = torch.Generator().manual_seed(1)
+    z, t = torch.randn(2, 5, 20, generator=gen), torch.randn(2, 5, 40, generator=gen) * 3
+    draft_to_target = torch.arange(0, 40, 2)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    z[~mask], t[~mask] = float("nan"), float("inf")
+    z.requires_grad_()
+    optimizer = torch.optim.SGD([z], lr=1.0)
+
+    def acceptance():
+        p = torch.softmax(t[mask][:, draft_to_target], -1)
+        return torch.minimum(p, torch.softmax(z.detach()[mask], -1)).sum(-1).mean()
+
+    before = acceptance()
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss = distill_loss(z, t, draft_to_target, mask, kind=kind)
+        loss.sum().backward()
+        assert bool((loss[~mask] == 0).all()) and bool(z.grad.isfinite().all()) and bool((z.grad[~mask] == 0).all())
+        optimizer.step()
+    assert acceptance() > before + 0.1
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (the interpreter) on the nan/inf padding
 @pytest.mark.parametrize("impl", ["chunked", pytest.param("triton", marks=interpreted)])
 def test_distill_loss_ignores_garbage_in_masked_positions(impl):
