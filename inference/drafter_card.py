@@ -11,8 +11,8 @@ against (training.json's quant, e.g. gguf: the file's own 4-bit blocks):
 - speed on MT-bench first turns, on the fp32 target and on the served (packed) one: target-only
   decoding in our engine, speculative chains and trees, transformers' generate and prompt lookup;
   with the time split of a chain and the bound tau / (1 + K c) its measured costs set;
-- llama.cpp on the same GGUF (a target served from one): llama-completion against
-  llama-speculative-simple with the drafter exported as GGUF (inference/llamacpp.py), interleaved;
+- llama.cpp on the same GGUF (a target served from one): its plain decoding, n-gram speculation and this
+  drafter exported as GGUF, beside our engine (inference/llamacpp_bench.py);
 - `check`: what tests/test_shipped_drafter.py measures again (a few prompts, short answers).
 Writes <out>/card.json and <out>/README.md, a card with the training facts of training.json and, when
 the drafter folder has one, its hand-written RECIPE.md (the data, the schedule and why) verbatim.
@@ -26,7 +26,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from inference import bench, evalsets, llamacpp, report, rounds
+from inference import bench, evalsets, llamacpp_bench, report
 from inference.compare import vocabulary_coverage
 from inference.drafting import DraftingConfig, speculative_tokens
 from inference.evalsets import EvalConfig
@@ -96,26 +96,15 @@ def speed(target, drafter, cfg: DrafterCardConfig) -> dict:
     return bench.run(target, drafter, None, prompts, bench_cfg)
 
 
-def llamacpp_speed(target, drafter, k: int, cfg: DrafterCardConfig) -> dict | None:
-    """llama.cpp's target-only decoding against its speculative decoding with this drafter (GGUF export),
-    on the speed benchmark's prompts as text; None for a target not served from a GGUF file."""
+def llamacpp_comparison(target, drafter, cfg: DrafterCardConfig) -> dict | None:
+    """inference/llamacpp_bench.py on the speed benchmark's prompts; None for a target not served from a GGUF file."""
     if not target.name_or_path.endswith(".gguf"):
         return None
-    source = gguf_file.locate(target.name_or_path)
-    eval_cfg = EvalConfig("mtbench", num_prompts=cfg.speed_prompts, turns=1)
-    texts = [target.tokenizer.decode(p.ids) for p in evalsets.prompts(eval_cfg, target, cfg.max_new_tokens)]
+    bench_cfg = llamacpp_bench.LlamacppBenchConfig(
+        drafter=cfg.drafter, eval=EvalConfig("mtbench", num_prompts=cfg.speed_prompts, turns=1),
+        max_new_tokens=cfg.max_new_tokens, repeats=cfg.repeats)
     with tempfile.TemporaryDirectory() as tmp:
-        draft = export.save(drafter, Path(tmp) / "draft.gguf", export.Verifier.of(target), fmt="gguf")
-        ways = {"target_only": lambda text: llamacpp.completion(source, text, cfg.max_new_tokens),
-                "eagle3_chain": lambda text: llamacpp.speculative_simple(source, draft, text, cfg.max_new_tokens,
-                                                                         draft_max=k)}
-        timed = rounds.interleaved(ways, texts, cfg.repeats,
-                                   count=lambda run, _: (run.n_predict, run.n_predict / run.decode_tokens_per_s))
-    base = timed["target_only"].median_tokens_per_s()
-    runs = timed["eagle3_chain"].results
-    return {name: {"tokens_per_second": t.median_tokens_per_s(), "speedup": t.median_tokens_per_s() / base}
-            for name, t in timed.items()} | {
-        "eagle3_acceptance_rate": sum(r.n_accept for r in runs) / max(sum(r.n_drafted for r in runs), 1)}
+        return llamacpp_bench.measure(cfg.drafter, drafter, target, bench_cfg, Path(tmp))
 
 
 def bound(chain: dict, k: int) -> dict:
@@ -145,11 +134,7 @@ def measure(cfg: DrafterCardConfig) -> dict:
     check_cfg = EvalConfig("mtbench", num_prompts=cfg.check_prompts, turns=1)
     card["check"] = serve(packed, drafter, served, check_cfg, "chain", 0.0, cfg.check_new_tokens, cfg.drafter)
     card["speed"] = {"packed": speed(packed, drafter, cfg)}
-    card["llamacpp"] = llamacpp_speed(packed, drafter, k, cfg)
-    if card["llamacpp"]:  # our engine on the same prompts, for llama.cpp's accepted share of draft tokens
-        same = EvalConfig("mtbench", num_prompts=cfg.speed_prompts, turns=1)
-        ours = serve(packed, drafter, served, same, "chain", 0.0, cfg.max_new_tokens, cfg.drafter)
-        card["llamacpp"]["ours_acceptance_rate"] = ours["num_accepted_tokens"] / max(ours["num_draft_tokens"], 1)
+    card["llamacpp"] = llamacpp_comparison(packed, drafter, cfg)
     fp32 = FrozenTarget.load(TargetConfig.named(packed.name_or_path, layer_ids=drafter.layer_ids))
     card["speed"]["fp32"] = speed(fp32, drafter, cfg)
     card |= {"git_revision": report.git_revision(), "machine": report.machine()}
@@ -186,12 +171,8 @@ def markdown(card: dict) -> str:
             lines.append(f"| {target} | {method} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
                          f"{r['outputs_match_target_only']} |")
     if card["llamacpp"]:
-        lc = card["llamacpp"]
-        lines += ["", f"llama.cpp on the same GGUF (1 thread, the same prompts as text): target-only "
-                  f"{lc['target_only']['tokens_per_second']:.1f} tokens/s; with this drafter as GGUF "
-                  f"(llama-speculative-simple, K={k}) {lc['eagle3_chain']['tokens_per_second']:.1f} tokens/s "
-                  f"({lc['eagle3_chain']['speedup']:.2f}x), {lc['eagle3_acceptance_rate']:.1%} of draft tokens accepted "
-                  f"(our engine on the same prompts: {lc['ours_acceptance_rate']:.1%})."]
+        lines += ["", "## llama.cpp on the same GGUF (inference/llamacpp_bench.py; 1 thread, the speed prompts)", "",
+                  "```", llamacpp_bench.table(card["llamacpp"]), "```"]
     b = card["chain_costs"]
     lines += ["", f"A chain cycle on the served target: drafting {b['draft_ms_per_cycle']:.1f} ms, verification "
               f"{b['verify_ms_per_cycle']:.1f} ms, other {b['other_ms_per_cycle']:.1f} ms, against "

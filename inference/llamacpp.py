@@ -10,7 +10,8 @@ bulk generation (train/regenerate.py's engine=llamacpp).
 
 `speculative_simple` runs llama-speculative-simple (examples/speculative-simple in the source) once
 and returns its counters: a drafter exported as GGUF (speculators/export_gguf.py) served by llama.cpp.
-`completion` runs llama-completion the same way without a drafter: llama.cpp's target-only speed.
+`completion` runs llama-completion the same way without a drafter: llama.cpp's target-only speed (with
+special tokens printed, as llama-speculative-simple prints them).
 """
 
 import ctypes
@@ -183,12 +184,12 @@ class SpeculativeRun:
         return self.n_accept / self.n_drafted if self.n_drafted else 0.0
 
 
-def speculative_simple(target: Path, draft: Path, prompt: str, n_predict: int = 32, draft_max: int = 4,
+def speculative_simple(target: Path, draft: Path | None, prompt: str, n_predict: int = 32, draft_max: int = 4,
                        spec_type: str = "draft-eagle3", threads: int = 1, context: int = 2048,
                        timeout: float = 600) -> SpeculativeRun:
-    """Greedy speculative generation of `n_predict` tokens after `prompt` with llama.cpp:
-    target GGUF `-m`, draft GGUF `-md`, `--spec-type` (draft-eagle3 for speculators/export_gguf.py's files)."""
-    command = [str(build() / "llama-speculative-simple"), "-m", str(target), "-md", str(draft),
+    """Greedy speculative generation of `n_predict` tokens after `prompt` with llama.cpp: target GGUF `-m`,
+    draft GGUF `-md` (draft-eagle3 for speculators/export_gguf.py's files; None for ngram-simple)."""
+    command = [str(build() / "llama-speculative-simple"), "-m", str(target), *(["-md", str(draft)] if draft else []),
                "--spec-type", spec_type, "--spec-draft-n-max", str(draft_max), "-p", prompt, "-n", str(n_predict),
                "-c", str(context), "-t", str(threads), "-td", str(threads), "--temp", "0", "--seed", "0"]
     # Tokens are printed one by one, so a multi-byte character can be split: replace, not fail.
@@ -204,7 +205,9 @@ def parse_speculative(stdout: str, stderr: str) -> SpeculativeRun:
     def number(pattern: str) -> float:
         found = re.search(pattern, stderr)
         if found is None:
-            raise UserError(f"llama-speculative-simple's log has no {pattern!r}; its output format changed?")
+            tail = " | ".join(stderr.strip().splitlines()[-2:])
+            raise UserError(f"llama-speculative-simple's log has no {pattern!r} (its output format changed?); it "
+                            f"ended: {tail}")
         return float(found.group(1))
 
     speed = r"speed:\s*([\d.]+|inf|nan) t/s"
@@ -228,7 +231,7 @@ def completion(target: Path, prompt: str, n_predict: int = 32, threads: int = 1,
     """Greedy target-only generation of `n_predict` tokens after `prompt` with llama-completion."""
     command = [str(build() / "llama-completion"), "-m", str(target), "-p", prompt, "-n", str(n_predict),
                "-c", str(context), "-t", str(threads), "--temp", "0", "--seed", "0", "-no-cnv"]
-    done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=timeout)
+    done = subprocess.run(command + ["-sp"], capture_output=True, text=True, errors="replace", timeout=timeout)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise UserError(f"llama-completion failed (exit {done.returncode}): {' | '.join(tail)}")

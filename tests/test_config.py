@@ -6,6 +6,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from inference.bench import BenchConfig
+from inference.llamacpp_bench import LlamacppBenchConfig
 from inference.report import InferenceConfig
 from speculators.config import UserError, to_dataclass
 from speculators.families import family
@@ -32,7 +33,8 @@ def test_every_recipe_maps_onto_its_dataclasses(recipe):
     typed(composed([f"conf={recipe}"]))  # an unknown key anywhere in conf/ would raise here
 
 
-@pytest.mark.parametrize("name, cls", [("config", InferenceConfig), ("bench", BenchConfig)])
+@pytest.mark.parametrize("name, cls", [("config", InferenceConfig), ("bench", BenchConfig),
+                                            ("llamacpp_bench", LlamacppBenchConfig)])
 def test_inference_configs_map_onto_their_dataclasses(name, cls):
     to_dataclass(cls, composed(["drafter=some/export"], CONF / "inference", name))
 

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as T
 from test_gguf_quant import write_gguf
 
-from inference import llamacpp
+from inference import evalsets, llamacpp, llamacpp_bench
 from speculators import export, export_gguf
 from speculators.config import UserError
 from speculators.export import Verifier
@@ -247,3 +247,40 @@ def test_llamacpp_target_only_completion(gguf_target):
     path, _ = gguf_target
     run = llamacpp.completion(path, "def f(x):", n_predict=16, context=256)
     assert run.n_predict >= 15 and run.decode_tokens_per_s > 0 and run.text.startswith("def f(x):")
+
+
+def test_llamacpp_bench_continuations_agree_over_their_common_length():
+    """speculative-simple may run past n_predict by part of a draft: agreement is over the common length."""
+    assert llamacpp_bench.after_prompt("\n\n<s>user: hi\nbot: hello", "user: hi\nbot:") == " hello"
+    run = lambda text: llamacpp_bench.Run(1, 1.0, text)
+    assert llamacpp_bench.same_output([run(" a b c d")], [run(" a b c")])
+    assert not llamacpp_bench.same_output([run(" a b x")], [run(" a b c")])
+    with pytest.raises(UserError, match="did not print the prompt"):
+        llamacpp_bench.after_prompt("something else", "user: hi")
+
+
+def test_llamacpp_bench_refuses_a_target_llamacpp_cannot_load(llama_target):
+    with pytest.raises(UserError, match="llama.cpp serves GGUF targets"):
+        llamacpp_bench.check_gguf_target(llama_target)
+
+
+@built
+def test_llamacpp_bench_runs_both_engines_on_the_same_prompts(gguf_target, make_drafter, tmp_path):
+    """Plain, n-gram and EAGLE-3 decoding in llama.cpp beside our engine: speeds, llama.cpp's own
+    counters and ours for the same drafter, K and prompts."""
+    path, target = gguf_target
+    cfg = llamacpp_bench.LlamacppBenchConfig(drafter="unused", max_new_tokens=16, repeats=1,
+                                             num_speculative_tokens=3)
+    prompts = evalsets.prompts_of([["def f(x):"], ["import os"]], None, target, cfg.max_new_tokens)
+    draft = export.save(make_drafter(target), tmp_path / "d.gguf", Verifier.of(target), fmt="gguf")
+    result = llamacpp_bench.run(target, make_drafter(target), prompts, cfg, draft)
+    rows = result["methods"]
+    assert set(rows) == {"llamacpp_target_only", "llamacpp_ngram", "llamacpp_eagle3_chain", "ours_target_only",
+                         "ours_eagle3_chain"}
+    assert all(row["tokens_per_second"] > 0 for row in rows.values())
+    assert rows["llamacpp_target_only"]["outputs_match_llamacpp_target_only"] and result["k"] == 3
+    for name in ("llamacpp_eagle3_chain", "ours_eagle3_chain"):
+        assert rows[name]["num_draft_tokens"] > 0 and 0 <= rows[name]["acceptance_rate"] <= 1
+    parity = result["acceptance_parity"]
+    assert parity["ours"] == rows["ours_eagle3_chain"]["acceptance_rate"]
+    assert parity["llamacpp"] == rows["llamacpp_eagle3_chain"]["acceptance_rate"]
