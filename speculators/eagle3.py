@@ -5,6 +5,11 @@ runs one decoder layer whose attention input is concat(input_layernorm(embed(tok
 hidden_norm(h)), 2H wide; the residual carries h. Its own norm and lm_head predict over a
 reduced draft vocabulary (d2t/t2d maps to the target's).
 
+EAGLE-3.1 (speculators' flags of the same names): `fc_norm` puts an RMSNorm on each auxiliary hidden
+state before fc (fc_norm.{i}), `norm_before_fc` one RMSNorm over their concatenation (input_norm), never
+both; `norm_output` carries the hidden state after the final norm into the next step, the one the
+lm_head reads (without it, the next step reads the layer's output before the norm).
+
 Training-time test (TTT) unrolls the drafter `num_speculative_tokens` times as it runs when serving.
 At step j, position t reads token t+1+j (teacher-forced) and, for j > 0, its own previous
 output as the hidden input; it is trained to match the target's distribution at t+1+j. Its
@@ -35,6 +40,9 @@ class Eagle3Config:
     step_decay: float = 0.8  # loss weight of step j is step_decay**j (EAGLE-3: 0.8)
     draft_vocab_size: int = 32000
     norm_before_residual: bool = False  # True: the residual carries hidden_norm(h) instead of h
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per auxiliary hidden state before fc
+    norm_before_fc: bool = False  # EAGLE-3.1: one RMSNorm over the concatenated hidden states before fc
+    norm_output: bool = False  # EAGLE-3.1: the final norm's output is what the next draft step reads
     loss: str = "soft_ce"  # distillation loss (kernels/distill.py): soft_ce | kl (one gradient) | lk | lk_hybrid
 
     def __post_init__(self):
@@ -42,6 +50,11 @@ class Eagle3Config:
                  drafter__draft_vocab_size=self.draft_vocab_size)
         require(self.step_decay > 0, "drafter.step_decay", self.step_decay, "> 0")
         one_of("drafter.loss", self.loss, KINDS)
+        if self.fc_norm and self.norm_before_fc:
+            raise UserError("drafter.fc_norm and drafter.norm_before_fc are two ways to normalise fc's input; set one")
+
+
+EAGLE31_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")  # exported as config flags of these names
 
 
 def layer_config(target: FrozenTarget) -> LlamaConfig:
@@ -136,6 +149,10 @@ class Eagle3Drafter(Drafter):
             raise UserError(f"draft_vocab_size={N} is larger than the target's vocabulary ({V})")
         self.embed_tokens = nn.Embedding(V, H).requires_grad_(False)  # the target's, frozen
         self.fc = nn.Linear(len(layer_ids) * target_hidden_size, H, bias=False)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(target_hidden_size, layer_cfg.rms_norm_eps) for _ in layer_ids])
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(len(layer_ids) * target_hidden_size, layer_cfg.rms_norm_eps)
         self.layers = nn.ModuleList([Eagle3DecoderLayer(layer_cfg, cfg.norm_before_residual)])
         self.norm = RMSNorm(H, layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, N, bias=False)
@@ -160,23 +177,35 @@ class Eagle3Drafter(Drafter):
     def from_speculators_config(cls, config: dict, layer_cfg: LlamaConfig) -> "Eagle3Drafter":
         """An empty drafter shaped by an export's config.json (speculators.export reads the weights)."""
         k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-        cfg = Eagle3Config(num_speculative_tokens=k,
-                           draft_vocab_size=config["draft_vocab_size"],
-                           norm_before_residual=config["norm_before_residual"])
+        cfg = Eagle3Config(num_speculative_tokens=k, draft_vocab_size=config["draft_vocab_size"],
+                           norm_before_residual=config["norm_before_residual"],
+                           **{flag: config.get(flag, False) for flag in EAGLE31_FLAGS})
         return cls(cfg, layer_cfg, config["eagle_aux_hidden_state_layer_ids"], config["target_hidden_size"])
 
     def speculators_extra_config(self) -> dict:
-        return {}
+        """The EAGLE-3.1 flags this drafter sets (a plain EAGLE-3 export stays as it was)."""
+        return {flag: True for flag in self.eagle31_flags}
+
+    @property
+    def eagle31_flags(self) -> list[str]:
+        return [flag for flag in EAGLE31_FLAGS if getattr(self.cfg, flag)]
 
     @property
     def target_hidden_size(self) -> int:
         return self.fc.in_features // len(self.layer_ids)
 
     def fuse(self, aux_hidden: list[torch.Tensor]) -> torch.Tensor:
-        return self.fc(torch.cat(aux_hidden, dim=-1))
+        if self.cfg.fc_norm:
+            aux_hidden = [norm(h) for norm, h in zip(self.fc_norm, aux_hidden)]
+        x = torch.cat(aux_hidden, dim=-1)
+        return self.fc(self.input_norm(x) if self.cfg.norm_before_fc else x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+    def carried(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the next draft step reads of the layer's output: normalised under norm_output."""
+        return self.norm(hidden) if self.cfg.norm_output else hidden
+
+    def logits(self, carried: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(carried if self.cfg.norm_output else self.norm(carried))
 
     def training_loss(self, target_out: TargetOutput, input_ids: torch.Tensor, loss_mask: torch.Tensor):
         """Weighted sum over TTT steps of the soft cross-entropy to the target's distribution
@@ -204,7 +233,7 @@ class Eagle3Drafter(Drafter):
             q, k, v = layer.self_attn.qkv(x, cos, sin)
             keys.append(k)
             values.append(v)
-            hidden = layer.finish(residual, ttt_attention(q, keys, values))
+            hidden = self.carried(layer.finish(residual, ttt_attention(q, keys, values)))
             # Only counted positions reach the lm_head (prompts and padding are half of a chat batch).
             rows, cols = counted.nonzero(as_tuple=True)
             logits = self.logits(hidden[rows, cols])
@@ -243,7 +272,7 @@ class Eagle3Drafter(Drafter):
         and `visible` [m, cache.length + m] (context and own ancestors). `cache.crop` undoes it.
         """
         residual, x = self.layers[0].attention_input(self.embed_tokens(tokens), hidden)
-        hidden = self.cached_layer(cache, residual, x, positions, visible)
+        hidden = self.carried(self.cached_layer(cache, residual, x, positions, visible))
         return self.logits(hidden), hidden
 
     def cached_layer(self, cache: KVCache, residual: torch.Tensor, x: torch.Tensor, positions: torch.Tensor | None,

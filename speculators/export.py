@@ -167,6 +167,9 @@ def write_eagle3(drafter, verifier: Verifier) -> tuple[dict, dict]:
     if drafter.cfg.norm_before_residual:
         raise UserError("the original EAGLE-3 format has no norm_before_residual=true (SGLang would silently "
                         "compute the other residual); export this drafter in the speculators format")
+    if drafter.eagle31_flags:
+        raise UserError(f"the original EAGLE-3 format has no {', '.join(drafter.eagle31_flags)} (EAGLE-3.1); export "
+                        f"this drafter in the speculators format")
     draft_vocab.check(drafter.d2t, drafter.t2d, len(drafter.t2d), drafter.cfg.draft_vocab_size)
     config = drafter.layer_cfg.to_dict() | {
         "architectures": ["LlamaForCausalLMEagle3"],

@@ -103,6 +103,9 @@ def check_drafter(drafter) -> None:
         raise UserError(f"llama.cpp serves EAGLE-3 drafters only (--spec-type draft-eagle3), not {drafter.cfg.family}")
     if len(drafter.layer_ids) != 3:
         raise UserError(f"llama.cpp's EAGLE-3 reads exactly 3 target layers; this drafter reads {drafter.layer_ids}")
+    if drafter.eagle31_flags:
+        raise UserError(f"llama.cpp's EAGLE-3 has no {', '.join(drafter.eagle31_flags)} (EAGLE-3.1); export this "
+                        f"drafter in the speculators format")
     draft_vocab.check(drafter.d2t, drafter.t2d, len(drafter.t2d), drafter.cfg.draft_vocab_size)
 
 

@@ -97,6 +97,12 @@ def test_layer_config_follows_the_target(target):
     assert lc.vocab_size == target.vocab_size and lc.num_hidden_layers == 1
 
 
+def test_eagle31_normalises_fc_input_one_way_only():
+    with pytest.raises(UserError, match="drafter.fc_norm and drafter.norm_before_fc .* set one") as error:
+        Eagle3Config(fc_norm=True, norm_before_fc=True)
+    assert "\n" not in str(error.value)
+
+
 def test_draft_vocab_larger_than_target_is_a_user_error(target, make_drafter):
     V = target.vocab_size
     with pytest.raises(UserError, match="draft_vocab_size"):

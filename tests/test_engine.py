@@ -453,10 +453,11 @@ def test_prompt_longer_than_the_context_is_a_user_error(llama_target, make_draft
 # --- 4. serving computes what training trains ---------------------------------------------------
 
 
-@pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_step_equals_the_training_time_test_unroll(target, make_drafter, text_batch, norm_before_residual):
+@pytest.mark.parametrize("fields", [{}, {"norm_before_residual": True}, {"fc_norm": True, "norm_output": True},
+                                    {"norm_before_fc": True, "norm_output": True}])  # the last two: EAGLE-3.1
+def test_step_equals_the_training_time_test_unroll(target, make_drafter, text_batch, fields):
     steps_n, T = 4, 32
-    drafter = make_drafter(target, num_speculative_tokens=steps_n, norm_before_residual=norm_before_residual)
+    drafter = make_drafter(target, num_speculative_tokens=steps_n, **fields)
     ids = text_batch[:, :T]
     B = ids.shape[0]
     out = target(ids)

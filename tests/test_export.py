@@ -25,13 +25,20 @@ def trained_a_little(drafter, target, ids, steps=3):
     return drafter
 
 
-@pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_save_load_round_trip(target, make_drafter, text_batch, tmp_path, norm_before_residual):
-    drafter = trained_a_little(make_drafter(target, num_speculative_tokens=4, norm_before_residual=norm_before_residual),
-                               target, text_batch)
+@pytest.mark.parametrize("fields", [{}, {"norm_before_residual": True}, {"fc_norm": True, "norm_output": True},
+                                    {"norm_before_fc": True, "norm_output": True}])  # the last two: EAGLE-3.1
+def test_save_load_round_trip(target, make_drafter, text_batch, tmp_path, fields):
+    drafter = trained_a_little(make_drafter(target, num_speculative_tokens=4, **fields), target, text_batch)
     out_dir = export.save(drafter, tmp_path / "export", Verifier("org/verifier-model", ["SomeForCausalLM"]))
     assert out_dir == tmp_path / "export"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no partial folder left behind
+    config = json.loads((out_dir / "config.json").read_text())
+    for flag in ("fc_norm", "norm_before_fc", "norm_output"):  # EAGLE-3.1's flags, written when set
+        assert config.get(flag, False) == fields.get(flag, False), flag
+    with safe_open(str(out_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert ({f"fc_norm.{i}.weight" for i in range(len(LAYER_IDS))} <= names) == fields.get("fc_norm", False)
+    assert ("input_norm.weight" in names) == fields.get("norm_before_fc", False)
 
     loaded, verifier = export.load(out_dir)
     assert verifier == "org/verifier-model"
@@ -217,6 +224,9 @@ def test_eagle3_original_format_round_trip_serves_identically(llama_target, make
 def test_eagle3_original_format_refuses_what_it_cannot_hold(llama_target, make_drafter, tmp_path):
     with pytest.raises(UserError, match="norm_before_residual"):
         export.save(make_drafter(llama_target, norm_before_residual=True), tmp_path / "e", Verifier("v", []),
+                    fmt="eagle3")
+    with pytest.raises(UserError, match="no fc_norm, norm_output .EAGLE-3.1.; export this drafter in the speculators"):
+        export.save(make_drafter(llama_target, fc_norm=True, norm_output=True), tmp_path / "e", Verifier("v", []),
                     fmt="eagle3")
     from speculators.medusa import MedusaConfig, MedusaDrafter
 

@@ -226,6 +226,8 @@ def test_refuses_bad_maps_layers_and_overwrite(llama_target, llama_dir, make_dra
     two = Eagle3Drafter(drafter.cfg, layer_config(llama_target), LAYER_IDS[:2], llama_target.hidden_size)
     with pytest.raises(UserError, match="exactly 3 target layers"):
         export_gguf.save(two, out, str(llama_dir), overwrite=True)
+    with pytest.raises(UserError, match="llama.cpp's EAGLE-3 has no norm_before_fc .EAGLE-3.1."):
+        export_gguf.save(make_drafter(llama_target, norm_before_fc=True), out, str(llama_dir), overwrite=True)
     assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["d.gguf"]
 
 
