@@ -30,7 +30,7 @@ from inference import bench, evalsets, llamacpp_bench, report
 from inference.compare import vocabulary_coverage
 from inference.drafting import DraftingConfig, speculative_tokens
 from inference.evalsets import EvalConfig
-from speculators import export, gguf_file
+from speculators import export
 from speculators.config import at_least, exit_on_user_error, require, run_cli, to_dataclass
 from speculators.quant import QuantConfig
 from speculators.target import FrozenTarget, TargetConfig

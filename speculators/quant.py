@@ -8,6 +8,8 @@ int8, int4, gptq_int4 and fp8 are weight-only: activations stay in the target's 
   in 0..15, z = min + 8 s, W ~ (q - 8) s + z (PyTorch's int4 convention).
 - gptq_int4: the int4 format, its levels chosen by GPTQ on calibration text (speculators/gptq.py).
 - fp8: per output channel, s[n] = max_k |W[n, k]| / 448 (the largest e4m3 value), q = e4m3(W / s).
+- mxfp4, nvfp4: FP4 E2M1 values with a power-of-two scale per 32 columns (MXFP4) or an e4m3 scale per 16
+  columns times a tensor scale (NVFP4), emulated (speculators/fp4.py): accuracy, not speed.
 - gguf: no rounding here: a GGUF file's own blocks (speculators/gguf_weights.py), Q4_1 as int4 in groups
   of 32 and Q8_0 as int8 with one scale per 32 columns, dequantizing bit for bit to the weights the
   target was converted with (speculators/gguf_file.py). Every tensor the file stores quantized is
@@ -63,10 +65,10 @@ from tqdm import tqdm
 
 import kernels
 from kernels.quant_matmul import ACT_BLOCK, dequantize, pack_int4, round_activation_blocks, round_to_nearest_int4
-from speculators import gguf_weights, gptq
+from speculators import fp4, gguf_weights, gptq
 from speculators.config import UserError, one_of, require
 
-QUANT_SCHEMES = ("none", "int8", "int4", "gptq_int4", "fp8", "w8a8", "gguf")
+QUANT_SCHEMES = ("none", "int8", "int4", "gptq_int4", "fp8", "w8a8", "gguf", "mxfp4", "nvfp4")
 CPU_MATMULS = ("kernel", "dequantize", "packed")
 ACTIVATIONS = ("exact", "int8")
 INT8_OP = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
@@ -92,7 +94,8 @@ class QuantConfig:
         one_of("quant.scheme", self.scheme, QUANT_SCHEMES)
         one_of("quant.cpu_matmul", self.cpu_matmul, CPU_MATMULS)
         one_of("quant.activations", self.activations, ACTIVATIONS)
-        require(self.activations != "int8" or self.scheme not in ("fp8", "w8a8"), "quant.activations", self.activations,
+        require(self.activations != "int8" or self.scheme not in ("fp8", "w8a8", "mxfp4", "nvfp4"), "quant.activations",
+                self.activations,
                 f"exact with quant.scheme={self.scheme}")
         require(self.group_size >= 2 and self.group_size % 2 == 0, "quant.group_size", self.group_size,
                 "an even number >= 2 (two int4 values share a byte)")
@@ -234,6 +237,27 @@ class WeightOnlyFp8Linear(QuantizedLinear):
 
     def cpu_op(self) -> str:
         return "dequantize + matmul"
+
+
+class Fp4Linear(QuantizedLinear):
+    """mxfp4 / nvfp4 weights (speculators/fp4.py), dequantized for every matmul (emulated)."""
+
+    def __init__(self, weight, bias, fmt: str):
+        super().__init__(weight, bias)
+        self.fmt = fmt
+        codes, block_scales, tensor_scale = fp4.quantize(weight, fmt)
+        self.register_buffer("codes", codes)
+        self.register_buffer("block_scales", block_scales)
+        self.register_buffer("tensor_scale", tensor_scale)
+
+    def matmul(self, x):
+        return F.linear(x, self.weight.to(x.dtype))
+
+    def rows(self, ids):
+        return fp4.dequantize(self.codes[ids], self.block_scales[ids], self.tensor_scale, self.fmt)
+
+    def cpu_op(self) -> str:
+        return "dequantize + matmul (emulated)"
 
 
 class DynamicInt8Linear(WeightOnlyInt8Linear):
@@ -386,6 +410,14 @@ class Fp8Handler(Int8Handler):
         return WeightOnlyFp8Linear(weight, bias)
 
 
+class Fp4Handler(Int8Handler):
+    def check(self, name, width):
+        fp4.check_width(self.cfg.scheme, name, width)
+
+    def convert(self, name, weight, bias, cpu_matmul):
+        return Fp4Linear(weight, bias, self.cfg.scheme)
+
+
 class W8A8Handler(Int8Handler):
     def convert(self, name, weight, bias, cpu_matmul):
         return DynamicInt8Linear(weight, bias)
@@ -426,7 +458,7 @@ class GgufHandler(Int8Handler):
 
 
 HANDLERS = {"int8": Int8Handler, "int4": Int4Handler, "gptq_int4": GptqInt4Handler, "fp8": Fp8Handler,
-            "w8a8": W8A8Handler}
+            "w8a8": W8A8Handler, "mxfp4": Fp4Handler, "nvfp4": Fp4Handler}
 
 
 def check_gguf_source(cfg: QuantConfig, gguf_file: Path | None) -> None:

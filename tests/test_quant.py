@@ -211,7 +211,8 @@ def load(llama_dir, **quant) -> FrozenTarget:
     return FrozenTarget.load(TargetConfig(name_or_path=str(llama_dir), layer_ids=LAYER_IDS), QuantConfig(**quant))
 
 
-QUANTS = [dict(scheme="int8"), dict(scheme="int4"), dict(scheme="fp8"), dict(scheme="w8a8"),
+QUANTS = [dict(scheme="int8"), dict(scheme="int4"), dict(scheme="fp8"), dict(scheme="w8a8"), dict(scheme="mxfp4"),
+          dict(scheme="nvfp4"),
           dict(scheme="int8", cpu_matmul="packed"),
           dict(scheme="int4", cpu_matmul="packed"), dict(scheme="gptq_int4", calibration_sequences=4),
           dict(scheme="gptq_int4", calibration_sequences=4, quantize_embeddings=True, quantize_lm_head=True),
