@@ -1,5 +1,5 @@
 """The drafter contract: what every family implements (speculators/eagle3.py, eagle.py, peagle.py,
-medusa.py) and all that training (train/module.py), serving (inference/drafting.py, inference/engine.py)
+medusa.py, dflash.py) and all that training (train/module.py), serving (inference/drafting.py, inference/engine.py)
 and export (speculators/export.py) may read. A new family is one file subclassing Drafter, registered
 in speculators/families.py, and one recipe in conf/conf/.
 """
@@ -33,6 +33,11 @@ class Drafter(nn.Module):
 
     @property
     def target_hidden_size(self) -> int:
+        raise NotImplementedError
+
+    def speculators_extra_config(self) -> dict:
+        """A family exported in the speculators format: its own config.json keys (speculators/export.py
+        writes the shared ones)."""
         raise NotImplementedError
 
     @property

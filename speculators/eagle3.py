@@ -183,8 +183,7 @@ class Eagle3Drafter(Drafter):
         return cls(cfg, layer_cfg, config["eagle_aux_hidden_state_layer_ids"], config["target_hidden_size"])
 
     def speculators_extra_config(self) -> dict:
-        """The EAGLE-3.1 flags this drafter sets (a plain EAGLE-3 export stays as it was)."""
-        return {flag: True for flag in self.eagle31_flags}
+        return eagle_speculators_keys(self) | {flag: True for flag in self.eagle31_flags}
 
     @property
     def eagle31_flags(self) -> list[str]:
@@ -289,6 +288,13 @@ class Eagle3Drafter(Drafter):
         q, k, v = layer.self_attn.qkv(x, cos, sin)
         keys, values = cache.append(k, v)
         return layer.finish(residual, F.scaled_dot_product_attention(q, keys, values, attn_mask=visible))
+
+
+def eagle_speculators_keys(drafter) -> dict:
+    """The speculators config keys of the EAGLE-3 layout (EAGLE-3 and P-EAGLE); EAGLE-3.1 flags off."""
+    return {"target_hidden_size": drafter.target_hidden_size, "eagle_aux_hidden_state_layer_ids": drafter.layer_ids,
+            "norm_before_residual": drafter.cfg.norm_before_residual,  # vLLM assumes true when absent
+            "norm_before_fc": False, "fc_norm": False, "norm_output": False}
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:

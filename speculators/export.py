@@ -6,7 +6,8 @@ An export is a folder with config.json and model.safetensors. Each format has a 
 temporary folder renamed into place, so an interrupted export leaves the previous one
 intact), no silent overwrite, and refusing corrupt or truncated files.
 
-- speculators (vLLM): EAGLE-3 and P-EAGLE; weights keep the drafter's own names (fc,
+- speculators (vLLM): EAGLE-3, P-EAGLE and DFlash (each family adds its own keys to the shared
+  ones: `speculators_extra_config`); weights keep the drafter's own names (fc,
   layers.N.*, norm, lm_head, embed_tokens) plus the draft-vocab maps d2t (int64 [N]) and
   t2d (bool [V]). An export without valid maps is refused: it would load in vLLM and accept
   almost nothing.
@@ -56,7 +57,7 @@ from speculators.config import UserError
 from speculators.layers import rope_theta
 
 SPECULATORS_VERSION = "0.3.0"
-SPECULATORS_ARCHITECTURES = {"eagle3": "Eagle3DraftModel", "peagle": "PEagleSpeculator"}
+SPECULATORS_ARCHITECTURES = {"eagle3": "Eagle3DraftModel", "peagle": "PEagleSpeculator", "dflash": "DFlashSpeculator"}
 
 
 @dataclass
@@ -99,12 +100,6 @@ def speculators_config(drafter, verifier: Verifier) -> dict:
         },
         "transformer_layer_config": layer,
         "draft_vocab_size": drafter.cfg.draft_vocab_size,
-        "target_hidden_size": drafter.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": drafter.layer_ids,
-        "norm_before_residual": drafter.cfg.norm_before_residual,  # vLLM assumes true when absent
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
         "embed_requires_grad": False,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
@@ -242,7 +237,7 @@ class Format(NamedTuple):
 
 # A drafter class names its format in `export_format`.
 FORMATS = {
-    "speculators": Format(("eagle3", "peagle"), write_speculators, read_speculators,
+    "speculators": Format(("eagle3", "peagle", "dflash"), write_speculators, read_speculators,
                           lambda config: config["speculators_config"]["verifier"]["name_or_path"]),
     "eagle": Format(("eagle",), write_eagle, read_eagle, lambda config: config["base_model_name_or_path"]),
     "eagle3": Format(("eagle3",), write_eagle3, read_eagle3, lambda config: None),  # it does not name its target

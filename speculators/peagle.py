@@ -64,6 +64,7 @@ from speculators.eagle3 import (
     Eagle3Attention,
     Eagle3DecoderLayer,
     Eagle3Drafter,
+    eagle_speculators_keys,
     layer_config,
     shift_left,
     ttt_attention,
@@ -184,8 +185,9 @@ class PEagleDrafter(Drafter):
     def speculators_extra_config(self) -> dict:
         """vLLM reads mask_token_id (its P-EAGLE config maps it to the proposer's mask token); the
         drop-token ratios, under speculators' names, record how the drafter was trained."""
-        return {"mask_token_id": self.cfg.mask_token_id, "down_sample_ratio": self.cfg.keep_ratio,
-                "down_sample_ratio_min": self.cfg.min_keep}
+        return eagle_speculators_keys(self) | {"mask_token_id": self.cfg.mask_token_id,
+                                               "down_sample_ratio": self.cfg.keep_ratio,
+                                               "down_sample_ratio_min": self.cfg.min_keep}
 
     @property
     def target_hidden_size(self) -> int:

@@ -1,0 +1,278 @@
+"""DFlash, block drafting (Chen et al. 2026, arXiv:2602.06036): model, anchor-block training, loss and config.
+
+One drafter pass proposes a whole block. The block is [anchor, MASK x (B-1)] at rotary positions
+a..a+B-1, the anchor being the token the target just produced at position a; slot k >= 1 drafts the
+token at a+k. The target's features enter as context, never as input tokens: the outputs of the target
+layers `layer_ids`, concatenated, through fc (n*H -> H, no bias) and `hidden_norm`, are projected by
+every draft layer's k_proj / v_proj (with k_norm and RoPE at their own positions, no input norm) into
+extra keys and values. Queries come from the block only, and a block sees the context before its
+anchor and its whole block both ways (no causal mask inside it). The draft layers are Qwen3's (q_norm
+and k_norm per head); embeddings and lm_head are the target's, frozen (lm_head restricted to a draft
+vocabulary, d2t/t2d). The mask token's embedding is learned, as P-EAGLE's (speculators/peagle.py).
+
+Training: `anchors` blocks per sequence in one pass, at random positions whose first draft is
+loss-masked (a fixed draw in eval mode). Each block's queries see the context strictly before its
+anchor and its own block, never another block. Slot 0 has weight 0; slot k >= 1 learns the target's
+distribution for the token at a+k (its logits at a+k-1), weighted exp(-(k-1)/gamma).
+
+Serving (drafting_kind "parallel", inference.drafting.ParallelProposer): `draft` appends the verified
+positions' context keys to every layer's cache and runs the block once; the block is never cached.
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+
+from kernels import distill_loss
+from kernels.distill import KINDS
+from speculators import draft_vocab
+from speculators.config import UserError, at_least, one_of, require
+from speculators.drafter import Drafter
+from speculators.eagle3 import layer_config
+from speculators.layers import KVCache, RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
+from speculators.peagle import LayerCaches, fold_mask_embedding, least_frequent, unfold_mask_embedding
+from speculators.target import FrozenTarget, TargetOutput
+
+
+@dataclass
+class DFlashConfig:
+    family: str = "dflash"
+    block_size: int = 8  # B: the anchor and B-1 mask slots; one pass drafts B-1 tokens (ModelOpt 8, speculators 16)
+    num_layers: int = 1  # draft decoder layers (5 for Qwen3-8B)
+    draft_vocab_size: int = 32000
+    anchors: int = 32  # blocks trained per sequence in one pass
+    gamma: float | None = None  # slot k's loss weight exp(-(k-1)/gamma); null: 7 for block_size >= 16, else 4
+    mask_token_id: int | None = None  # null: the least frequent token of the training data
+    loss: str = "soft_ce"  # distillation loss (kernels/distill.py): soft_ce | kl (one gradient) | lk | lk_hybrid
+
+    def __post_init__(self):
+        at_least(2, drafter__block_size=self.block_size)
+        at_least(1, drafter__num_layers=self.num_layers, drafter__draft_vocab_size=self.draft_vocab_size,
+                 drafter__anchors=self.anchors)
+        require(self.gamma is None or self.gamma > 0, "drafter.gamma", self.gamma, "> 0, or null")
+        if self.mask_token_id is not None:
+            at_least(0, drafter__mask_token_id=self.mask_token_id)
+        one_of("drafter.loss", self.loss, KINDS)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.block_size - 1
+
+    def slot_weight(self, slot: int) -> float:
+        gamma = self.gamma or (7.0 if self.block_size >= 16 else 4.0)
+        return math.exp(-(slot - 1) / gamma)
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention (q_norm, k_norm per head) whose keys and values come from the block and the context."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        return apply_rotary(self.q_norm(self.q_proj(x).view(B, T, self.heads, self.head_dim)).transpose(1, 2), cos, sin)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated keys and values [B, heads, T, d] of x [B, T, H] (kv heads repeated for GQA)."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        group = self.heads // self.kv_heads
+        return apply_rotary(k.repeat_interleave(group, dim=1), cos, sin), v.repeat_interleave(group, dim=1)
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = DFlashAttention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor, context_keys: torch.Tensor, context_values: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+        """The block's hidden states [B, Q, H] after attending to the context's keys and its own."""
+        x = self.input_layernorm(hidden)
+        q = self.self_attn.queries(x, cos, sin)
+        k, v = self.self_attn.keys_values(x, cos, sin)
+        attn = F.scaled_dot_product_attention(q, torch.cat([context_keys, k], 2), torch.cat([context_values, v], 2),
+                                              attn_mask=visible)
+        B, _, Q, _ = attn.shape
+        h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, Q, -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(Drafter):
+    config_class = DFlashConfig
+    export_format = "speculators"
+    speculators_model_type = "dflash"
+    drafting_kind = "parallel"  # a block of drafts from one drafter pass (inference.drafting.ParallelProposer)
+
+    def __init__(self, cfg: DFlashConfig, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
+        super().__init__()
+        self.cfg, self.layer_cfg, self.layer_ids = cfg, layer_cfg, list(layer_ids)
+        H, V, N = layer_cfg.hidden_size, layer_cfg.vocab_size, cfg.draft_vocab_size
+        if N > V:
+            raise UserError(f"draft_vocab_size={N} is larger than the target's vocabulary ({V})")
+        require(cfg.mask_token_id is not None and 0 <= cfg.mask_token_id < V, "drafter.mask_token_id",
+                cfg.mask_token_id, f"a token id in 0..{V - 1} (the target's vocabulary)")
+        require(cfg.block_size < layer_cfg.max_position_embeddings, "drafter.block_size", cfg.block_size,
+                f"below the target's context of {layer_cfg.max_position_embeddings} positions")
+        self.embed_tokens = nn.Embedding(V, H).requires_grad_(False)  # the target's, frozen
+        self.mask_embedding = nn.Parameter(torch.zeros(H))  # row mask_token_id of embed_tokens, learned
+        self.fc = nn.Linear(len(layer_ids) * target_hidden_size, H, bias=False)
+        self.hidden_norm = RMSNorm(H, layer_cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashDecoderLayer(layer_cfg) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(H, layer_cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, N, bias=False).requires_grad_(False)  # the target's rows, frozen
+        self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
+        self.register_state_dict_post_hook(fold_mask_embedding)
+        self.register_load_state_dict_pre_hook(unfold_mask_embedding)
+
+    @classmethod
+    def from_target(cls, cfg: DFlashConfig, target: FrozenTarget, token_counts: torch.Tensor) -> "DFlashDrafter":
+        if not target.layer_ids:
+            raise UserError("DFlash reads target features: target.layer_ids must name at least one layer")
+        if cfg.mask_token_id is None:
+            cfg = replace(cfg, mask_token_id=least_frequent(token_counts))
+        layer_cfg = layer_config(target)
+        layer_cfg.num_hidden_layers = cfg.num_layers
+        drafter = cls(cfg, layer_cfg, target.layer_ids, target.hidden_size)
+        drafter.d2t, drafter.t2d = draft_vocab.build(token_counts, cfg.draft_vocab_size)
+        with torch.no_grad():
+            drafter.embed_tokens.weight.copy_(target.embedding_weight().float())
+            drafter.mask_embedding.copy_(drafter.embed_tokens.weight[cfg.mask_token_id])
+            drafter.lm_head.weight.copy_(target.lm_head_weight()[drafter.draft_to_target].float())
+        return drafter
+
+    @classmethod
+    def from_speculators_config(cls, config: dict, layer_cfg: LlamaConfig) -> "DFlashDrafter":
+        """An empty drafter shaped by an export's config.json (speculators.export reads the weights)."""
+        cfg = DFlashConfig(block_size=config["block_size"], num_layers=layer_cfg.num_hidden_layers,
+                           draft_vocab_size=config["draft_vocab_size"], mask_token_id=config["mask_token_id"])
+        return cls(cfg, layer_cfg, config["aux_hidden_state_layer_ids"], config["target_hidden_size"])
+
+    def speculators_extra_config(self) -> dict:
+        """speculators' DFlash keys; the draft layers are Qwen3's."""
+        layer = self.layer_cfg.to_dict() | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                                            "num_hidden_layers": len(self.layers), "vocab_size": len(self.t2d)}
+        return {"block_size": self.cfg.block_size, "aux_hidden_state_layer_ids": self.layer_ids,
+                "mask_token_id": self.cfg.mask_token_id, "target_hidden_size": self.target_hidden_size,
+                "transformer_layer_config": layer}
+
+    @property
+    def target_hidden_size(self) -> int:
+        return self.fc.in_features // len(self.layer_ids)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's embeddings, with the learned mask embedding wherever mask_token_id stands."""
+        is_mask = (tokens == self.cfg.mask_token_id).unsqueeze(-1)
+        return torch.where(is_mask, self.mask_embedding, self.embed_tokens(tokens))
+
+    def features(self, target_out: TargetOutput) -> torch.Tensor:
+        """The context of verified positions: hidden_norm(fc(target layers' outputs))."""
+        return self.hidden_norm(self.fc(torch.cat(target_out.aux_hidden, dim=-1)))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary(positions, self.layer_cfg.head_dim, rope_theta(self.layer_cfg))
+
+    # --- training ---------------------------------------------------------------------------------
+
+    def sample_anchors(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(anchors [B, A], valid [B, A]): positions a >= 1 whose token a+1 is loss-masked, drawn
+        without replacement; a fixed draw in eval mode, so validation compares like with like."""
+        B, T = loss_mask.shape
+        candidates = torch.zeros(B, T, dtype=torch.bool, device=loss_mask.device)
+        candidates[:, 1 : T - 1] = loss_mask[:, 2:].bool()
+        generator = None if self.training else torch.Generator(loss_mask.device).manual_seed(0)
+        scores = torch.rand(B, T, generator=generator, device=loss_mask.device).masked_fill(~candidates, -1.0)
+        top, anchors = scores.topk(min(self.cfg.anchors, T), dim=1)
+        return anchors, top >= 0
+
+    def block_forward(self, context: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Hidden states [B, A, block_size, H] of the blocks at `anchors` [B, A], each seeing the
+        context [B, T, H] before its anchor and its own block."""
+        B, T = input_ids.shape
+        A, S = anchors.shape[1], self.cfg.block_size
+        slots = torch.arange(S, device=input_ids.device)
+        tokens = torch.where(slots == 0, input_ids.gather(1, anchors)[..., None], self.cfg.mask_token_id)
+        cos, sin = (t[:, None] for t in self.rotary((anchors[..., None] + slots).view(B, A * S)))
+        context_cos, context_sin = self.rotary(torch.arange(T, device=input_ids.device))
+        block = torch.arange(A, device=input_ids.device).repeat_interleave(S)
+        sees_context = torch.arange(T, device=input_ids.device) < anchors.repeat_interleave(S, dim=1)[..., None]
+        sees_block = (block[:, None] == block[None, :]).expand(B, -1, -1)
+        visible = torch.cat([sees_context, sees_block], dim=2)[:, None]  # [B, 1, A*S, T + A*S]
+        hidden = self.embed(tokens).view(B, A * S, -1)
+        for layer in self.layers:
+            keys, values = layer.self_attn.keys_values(context, context_cos, context_sin)
+            hidden = layer(hidden, keys, values, cos, sin, visible)
+        return hidden.view(B, A, S, -1)
+
+    def training_loss(self, target_out: TargetOutput, input_ids: torch.Tensor, loss_mask: torch.Tensor):
+        """Weighted sum over slots k >= 1 of the soft cross-entropy to the target's renormalised
+        draft-vocab distribution for the token at anchor+k; metrics loss_step{j} and acc_step{j}
+        (draft argmax == target argmax) for draft j = slot j+1."""
+        T = input_ids.shape[1]
+        anchors, valid = self.sample_anchors(loss_mask)
+        hidden = self.block_forward(self.features(target_out), input_ids, anchors)[:, :, 1:]
+        drafted = anchors[..., None] + torch.arange(1, self.cfg.block_size, device=input_ids.device)  # [B, A, S-1]
+        at = drafted.clamp(max=T - 1)
+        counted = valid[..., None] & (drafted < T) & loss_mask.gather(1, at.flatten(1)).view_as(at).bool()
+        batch = torch.arange(len(input_ids), device=input_ids.device)[:, None, None].expand_as(at)
+        target_argmax = target_out.logits.argmax(-1)[batch, at - 1]
+        trained = counted & self.t2d[target_argmax]
+        rows = counted.nonzero(as_tuple=True)
+        logits = self.logits(hidden[rows])
+        target_logits = target_out.logits[batch[rows], at[rows] - 1][:, self.draft_to_target]
+        per_slot = distill_loss(logits, target_logits, torch.arange(logits.shape[-1], device=logits.device),
+                                trained[rows], kind=self.cfg.loss)
+        hits = self.draft_to_target[logits.argmax(-1)] == target_argmax[rows]
+        loss, metrics, slot = 0.0, {}, rows[2]
+        for j in range(self.num_speculative_tokens):
+            here = slot == j
+            step_loss = (per_slot * here).sum() / (trained[rows] & here).sum().clamp(min=1)
+            loss = loss + self.cfg.slot_weight(j + 1) * step_loss
+            metrics[f"loss_step{j}"] = step_loss.detach()
+            metrics[f"acc_step{j}"] = (hits & here).sum() / here.sum().clamp(min=1)
+        return loss, metrics
+
+    # --- serving ----------------------------------------------------------------------------------
+
+    def new_cache(self, batch: int, max_len: int, device=None) -> LayerCaches:
+        """Every layer's context keys and values; blocks are never cached."""
+        c = self.layer_cfg
+        return LayerCaches(KVCache(batch, c.num_attention_heads, max_len, c.head_dim, device) for _ in self.layers)
+
+    @torch.no_grad()
+    def draft(self, cache: LayerCaches, tokens: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """Append m verified positions (`features` [1, m, H]; tokens [1, m], the last being the anchor
+        at position cache.length + m) to the context and draft k <= block_size - 1 tokens in one pass
+        of the whole block: draft-vocab logits [k, N] of slots 1..k."""
+        if k > self.num_speculative_tokens:
+            raise UserError(f"num_speculative_tokens={k}: a DFlash drafter with block_size={self.cfg.block_size} "
+                            f"drafts at most {self.num_speculative_tokens} tokens per pass")
+        start, m, S = cache.length, tokens.shape[1], self.cfg.block_size
+        context_cos, context_sin = self.rotary(torch.arange(start, start + m, device=tokens.device))
+        cos, sin = self.rotary(torch.arange(start + m, start + m + S, device=tokens.device))
+        block = torch.cat([tokens[:, -1:], tokens.new_full((1, S - 1), self.cfg.mask_token_id)], dim=1)
+        x = self.embed(block)
+        for layer, layer_cache in zip(self.layers, cache):
+            keys, values = layer_cache.append(*layer.self_attn.keys_values(hidden, context_cos, context_sin))
+            x = layer(x, keys, values, cos, sin, None)
+        return self.logits(x[0, 1 : k + 1])
