@@ -89,9 +89,10 @@ def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -
     return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
 
 
-def verify_greedy(drafts: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
-    """(accepted count, next token): target_logits [k+1, V] from the pass over [last, *drafts]."""
-    accepted, token = kernels.verify_greedy(torch.tensor([drafts], dtype=torch.long), target_logits[None])
+def verify_greedy(drafts: list[int], target_logits: torch.Tensor, tolerance: float = 0.0) -> tuple[int, int]:
+    """(accepted count, next token): target_logits [k+1, V] from the pass over [last, *drafts];
+    tolerance > 0 relaxes the rule (kernels/verify.py: typical acceptance, not the target's exact output)."""
+    accepted, token = kernels.verify_relaxed(torch.tensor([drafts], dtype=torch.long), target_logits[None], tolerance)
     return int(accepted), int(token)
 
 
@@ -122,9 +123,11 @@ def check_pair(target: FrozenTarget, drafter) -> None:
 
 @torch.no_grad()
 def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: int, k: int = 5,
-             temperature: float = 0.0, seed: int = 0, drafting: DraftingConfig | None = None) -> Generation:
+             temperature: float = 0.0, seed: int = 0, drafting: DraftingConfig | None = None,
+             tolerance: float = 0.0) -> Generation:
     """Decode up to max_new_tokens after `prompt`; k=0 (or no drafter) is plain target decoding.
-    `drafting` picks chain (the default) or tree drafts (greedy only)."""
+    `drafting` picks chain (the default) or tree drafts (greedy only); tolerance > 0 relaxes greedy
+    chain verification (typical acceptance: faster, no longer the target's exact output)."""
     drafting = drafting or DraftingConfig()
     limit = target.config.max_position_embeddings
     if len(prompt) + max_new_tokens + k + 1 > limit:
@@ -132,6 +135,9 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
                         f"target's context of {limit} positions")
     if drafting.mode == "tree" and temperature > 0:
         raise UserError(f"drafting.mode=tree verifies greedily; temperature={temperature} needs drafting.mode=chain")
+    if tolerance and (temperature > 0 or drafting.mode == "tree"):
+        raise UserError(f"acceptance_tolerance={tolerance} relaxes greedy chains; it needs temperature=0 and "
+                        f"drafting.mode=chain")
     k = k if drafter is not None else 0
     generator = torch.Generator().manual_seed(seed)
     eos = target.tokenizer.eos_token_id
@@ -161,7 +167,7 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
         out = target_pass(session, token, draft)
         stats.verify_s += time.perf_counter() - verifying
         stats.target_forwards += 1
-        path, token = verify(draft, out.logits[0], temperature, generator)
+        path, token = verify(draft, out.logits[0], temperature, generator, tolerance)
         stats.record(len(path), len(draft.tokens))
         rows = [0] + [node + 1 for node in path]  # the root and the accepted nodes
         session.keep(start, rows)  # forget the rejected drafts
@@ -183,7 +189,8 @@ class BatchGeneration:
 
 @torch.no_grad()
 def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_new_tokens: int, k: int = 5,
-                   temperature: float = 0.0, seed: int = 0, drafting: DraftingConfig | None = None) -> BatchGeneration:
+                   temperature: float = 0.0, seed: int = 0, drafting: DraftingConfig | None = None,
+                   tolerance: float = 0.0) -> BatchGeneration:
     """Decode several prompts together: one target pass per step verifies every row's chain.
 
     Prompts are left-padded to the longest (inference.sessions). Each step every row drafts k
@@ -211,8 +218,10 @@ def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_
     """
     drafting = drafting or DraftingConfig()
     if len(prompts) == 1:
-        one = generate(target, drafter, prompts[0], max_new_tokens, k, temperature, seed, drafting)
+        one = generate(target, drafter, prompts[0], max_new_tokens, k, temperature, seed, drafting, tolerance)
         return BatchGeneration([one.tokens], one.stats)
+    if tolerance:
+        raise UserError(f"acceptance_tolerance={tolerance} relaxes one prompt's verification; use batch_size=1")
     if drafting.mode == "tree":
         raise UserError(f"drafting.mode=tree decodes one prompt at a time; {len(prompts)} prompts in a batch need "
                         f"drafting.mode=chain (or batch_size=1)")
@@ -307,11 +316,12 @@ def target_pass(session, root: int, draft: Draft):
     return session(tokens, tree=draft.tree_mask(), depths=torch.tensor([0, *draft.depths()]))
 
 
-def verify(draft: Draft, logits: torch.Tensor, temperature: float, generator: torch.Generator) -> tuple[list[int], int]:
+def verify(draft: Draft, logits: torch.Tensor, temperature: float, generator: torch.Generator,
+           tolerance: float = 0.0) -> tuple[list[int], int]:
     """(accepted nodes root to leaf, the next token) from the target logits [1 + n, V] of the pass."""
     if draft.is_chain:
         if temperature == 0:
-            accepted, token = verify_greedy(draft.tokens, logits)
+            accepted, token = verify_greedy(draft.tokens, logits, tolerance)
         else:
             accepted, token = verify_sampling(draft.tokens, draft.probs, logits, temperature, generator)
         return list(range(accepted)), token

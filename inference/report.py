@@ -36,6 +36,7 @@ class InferenceConfig:
     num_speculative_tokens: int | None = None  # chain length K (tree depth with drafting.mode=tree); None: the drafter's own
     drafting: DraftingConfig = field(default_factory=DraftingConfig)
     batch_size: int = 1  # prompts decoded together (chains only); 1 is the single-sequence fast path
+    acceptance_tolerance: float = 0.0  # > 0: typical acceptance of greedy chains (kernels/verify.py), not lossless
     seed: int = 0
     out: str | None = None  # None: the Hydra run directory
     logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(kind="none"))  # kind=wandb to log the report
@@ -49,6 +50,8 @@ class InferenceConfig:
             raise UserError(f"drafting.mode=tree decodes one prompt at a time; batch_size={self.batch_size} needs "
                             f"drafting.mode=chain (or batch_size=1)")
         require(0 <= self.seed < 2**32, "seed", self.seed, "in [0, 2**32 - 1], as for training")
+        require(0 <= self.acceptance_tolerance < 1, "acceptance_tolerance", self.acceptance_tolerance,
+                "in [0, 1) (0: exact greedy verification)")
 
 
 def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
@@ -94,6 +97,7 @@ def measure(target, drafter, prompts: list[Prompt], cfg: InferenceConfig) -> dic
         "per_turn": {str(turn): tally.figures() for turn, tally in per_turn.items()} if len(turns) > 1 else None,
         "peak_memory_mb": peak_memory_mb(),
         "outputs_match_baseline": all(r["matches_baseline"] for r in rows) if cfg.temperature == 0 else None,
+        "drift": drift(target, rows) if cfg.acceptance_tolerance else None,
         "prompts": rows,
         "config": asdict(cfg),
         "target": target.name_or_path,
@@ -101,6 +105,22 @@ def measure(target, drafter, prompts: list[Prompt], cfg: InferenceConfig) -> dic
         "git_revision": git_revision(),
         "machine": machine(),
     }
+
+
+def drift(target, rows: list[dict]) -> dict:
+    """What relaxed verification costs: the share of outputs that differ from target-only greedy
+    decoding, and the mean log-likelihood per token the target gives each."""
+    def log_likelihood(row: dict, key: str) -> torch.Tensor:
+        prompt, output = row["prompt_ids"], row[key]
+        logits = target(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+    def per_token(key: str) -> float:
+        return float(torch.cat([log_likelihood(row, key) for row in rows]).mean())
+
+    return {"outputs_differing": sum(not r["matches_baseline"] for r in rows) / len(rows),
+            "log_likelihood_per_token": per_token("output_ids"),
+            "baseline_log_likelihood_per_token": per_token("baseline_output_ids")}
 
 
 @dataclass
@@ -160,7 +180,7 @@ def measure_turn(target, drafter, prompts: list[Prompt], cfg: InferenceConfig) -
         ids = [p.ids for p in batch]
         base = generate_batch(target, None, ids, cfg.max_new_tokens, 0, cfg.temperature, cfg.seed + first)
         spec = generate_batch(target, drafter, ids, cfg.max_new_tokens, k, cfg.temperature, cfg.seed + first,
-                              cfg.drafting)
+                              cfg.drafting, cfg.acceptance_tolerance)
         tally.base.add(base.stats)
         tally.spec.add(spec.stats)
         tally.steps += max(map(len, spec.tokens)) - 1
@@ -228,6 +248,10 @@ def table(report: dict) -> str:
         f"tokens/s: {report['tokens_per_second']:.1f} speculative vs {report['baseline_tokens_per_second']:.1f} "
         f"target-only (speed-up {report['speedup']:.2f}x)",
         "decode time: " + ", ".join(f"{name} {secs:.2f}s" for name, secs in report["time_split_s"].items()),
+        *([f"typical acceptance (tolerance {report['config']['acceptance_tolerance']}): "
+           f"{report['drift']['outputs_differing']:.0%} of outputs differ from target-only greedy; log-likelihood "
+           f"per token {report['drift']['log_likelihood_per_token']:.3f} vs "
+           f"{report['drift']['baseline_log_likelihood_per_token']:.3f}"] if report.get("drift") else []),
         f"outputs match target-only greedy: {report['outputs_match_baseline']}" + (
             " (w8a8 rounds activations, which amplifies last-bit differences between a 1-token and a "
             "(k+1)-token forward: lossless in distribution, not always token for token)"

@@ -8,6 +8,12 @@ accepted [B] (0..K drafts kept) and token [B], the token emitted after them.
 Greedy: accepted a = the longest prefix with drafts[i] == argmax(target_logits[i]);
 token = argmax(target_logits[a]).
 
+Relaxed greedy (typical acceptance, `tolerance` t in [0, 1), off at 0): draft i is also accepted
+when the target gives it at least (1 - t) times its top probability, p_i(x_i) >= (1 - t) max p_i
+(Medusa-2's typical acceptance and speculators' accept_tolerance relax verification the same way);
+token = argmax(target_logits[a]). It buys acceptance at the cost of the target's exact output: t = 0
+is the greedy rule itself.
+
 Sampling (lossless): p = softmax(target_logits / temperature), q = draft_probs [B, K, V], the
 drafter's distribution over the target vocabulary. Draft x_i is accepted iff
 u_i < p_i(x_i) / q_i(x_i), i.e. with probability min(1, p/q); a = the first rejected i, K if
@@ -37,6 +43,18 @@ def verify_greedy(drafts, target_logits):
     if use_triton(target_logits):
         return verify_greedy_triton(drafts, target_logits)
     return verify_greedy_reference(drafts, target_logits)
+
+
+def verify_relaxed(drafts, target_logits, tolerance: float):
+    """(accepted [B], token [B]) under the relaxed greedy rule of the module doc; t = 0 is verify_greedy."""
+    if tolerance == 0:
+        return verify_greedy(drafts, target_logits)
+    check_inputs(drafts, target_logits)
+    probs = torch.softmax(target_logits[:, :-1].float(), dim=-1)
+    drafted = probs.gather(-1, drafts.long()[..., None])[..., 0]
+    argmax = target_logits.argmax(-1)
+    accepted = accepted_prefix((drafts == argmax[:, :-1]) | (drafted >= (1 - tolerance) * probs.amax(-1)))
+    return accepted, argmax.gather(1, accepted[:, None])[:, 0]
 
 
 def verify_sampling(drafts, draft_probs, target_logits, temperature: float, uniform):

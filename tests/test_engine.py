@@ -499,3 +499,20 @@ def test_step_equals_the_training_time_test_unroll(target, make_drafter, text_ba
             torch.testing.assert_close(logits[:, 0], ttt[j][:, t], atol=1e-5, rtol=1e-5)
         # Not vacuous: later steps do differ from step 0 at the same position.
         assert not torch.allclose(ttt[steps_n - 1][:, t], ttt[0][:, t], atol=1e-3)
+
+
+def test_typical_acceptance_is_off_by_default_and_relaxes_only_when_asked(llama_target, make_drafter, text_batch):
+    """tolerance 0 (the default) is exactly target-only greedy decoding; a large tolerance accepts at least
+    as much and may change the output; sampling, trees and batches refuse it with one line."""
+    drafter = make_drafter(llama_target).eval()
+    prompt = text_batch[0, :12].tolist()
+    alone = generate(llama_target, None, prompt, 40, 0)
+    exact = generate(llama_target, drafter, prompt, 40, 4)
+    assert generate(llama_target, drafter, prompt, 40, 4, tolerance=0.0).tokens == exact.tokens == alone.tokens
+    relaxed = generate(llama_target, drafter, prompt, 40, 4, tolerance=0.99)
+    assert relaxed.stats.acceptance_length >= exact.stats.acceptance_length
+    assert relaxed.stats.acceptance_length > 1
+    with pytest.raises(UserError, match="acceptance_tolerance=0.5 relaxes greedy chains"):
+        generate(llama_target, drafter, prompt, 10, 4, temperature=1.0, tolerance=0.5)
+    with pytest.raises(UserError, match="use batch_size=1"):
+        engine.generate_batch(llama_target, drafter, [prompt, prompt], 10, 4, tolerance=0.5)

@@ -336,3 +336,22 @@ def test_verify_greedy_rejects_bad_input(fn, changes, message):
     inputs = verify_inputs(**changes)
     with pytest.raises(ValueError, match=message):
         fn(inputs["drafts"], inputs["target_logits"])
+
+
+def test_relaxed_verification_accepts_near_argmax_drafts_and_is_greedy_at_zero():
+    """Typical acceptance: draft i passes when p_i(x_i) >= (1 - t) max p_i; t = 0 is the greedy rule."""
+    torch.manual_seed(0)
+    logits = torch.randn(64, 5, 50) * 3
+    drafts = torch.randint(0, 50, (64, 4))
+    drafts[:, :2] = logits[:, :2].argmax(-1)  # a few accepted prefixes to start from
+    greedy = kernels.verify_greedy_reference(drafts, logits)
+    for a, b in zip(kernels.verify_relaxed(drafts, logits, 0.0), greedy):
+        assert torch.equal(a, b)
+    probs = torch.softmax(logits, -1)
+    for t in (0.3, 0.9):
+        accepted, token = kernels.verify_relaxed(drafts, logits, t)
+        ok = probs[:, :4].gather(-1, drafts[..., None])[..., 0] >= (1 - t) * probs[:, :4].amax(-1)
+        assert torch.equal(accepted, ok.long().cumprod(-1).sum(-1))
+        assert torch.equal(token, logits.argmax(-1).gather(1, accepted[:, None])[:, 0])
+        assert bool((accepted >= greedy[0]).all())
+    assert bool((kernels.verify_relaxed(drafts, logits, 0.9)[0] > greedy[0]).any())
