@@ -69,7 +69,10 @@ class Verifier:
 
     @classmethod
     def named(cls, name_or_path: str) -> "Verifier":
-        """From the target's config.json when it can be read offline; its architectures are informational."""
+        """From the target's config.json when it can be read offline; its architectures are informational.
+        A GGUF file has no config.json to look for (nor a hub repository to ask)."""
+        if name_or_path.endswith(".gguf"):
+            return cls(name_or_path, [])
         try:
             architectures = AutoConfig.from_pretrained(name_or_path).architectures or []
         except (OSError, ValueError):
