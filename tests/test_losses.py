@@ -13,10 +13,12 @@ from speculators.families import FAMILIES
 
 def make(name: str, target, text_batch, **fields):
     cls = FAMILIES[name]
-    sized = {"draft_vocab_size": DRAFT_VOCAB} if "draft_vocab_size" in cls.config_class.__dataclass_fields__ else {}
+    known = cls.config_class.__dataclass_fields__
+    sized = {"draft_vocab_size": DRAFT_VOCAB} if "draft_vocab_size" in known else {}
+    sized |= {"num_speculative_tokens": 3} if "num_speculative_tokens" in known else {"block_size": 4}  # DFlash: K = B-1
     counts = draft_vocab.count_tokens(text_batch, torch.ones_like(text_batch), target.vocab_size)
     torch.manual_seed(0)
-    return cls.from_target(cls.config_class(num_speculative_tokens=3, **sized, **fields), target, counts)
+    return cls.from_target(cls.config_class(**sized, **fields), target, counts)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
