@@ -192,12 +192,26 @@ def speculative_simple(target: Path, draft: Path | None, prompt: str, n_predict:
     command = [str(build() / "llama-speculative-simple"), "-m", str(target), *(["-md", str(draft)] if draft else []),
                "--spec-type", spec_type, "--spec-draft-n-max", str(draft_max), "-p", prompt, "-n", str(n_predict),
                "-c", str(context), "-t", str(threads), "-td", str(threads), "--temp", "0", "--seed", "0"]
-    # Tokens are printed one by one, so a multi-byte character can be split: replace, not fail.
-    done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=timeout)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise UserError(f"llama-speculative-simple failed (exit {done.returncode}): {' | '.join(tail)}")
+    done = run_logged(command, "llama-speculative-simple", r"n_predict = \d+", timeout)
     return parse_speculative(done.stdout, done.stderr)
+
+
+LOG_ATTEMPTS = 5
+
+
+def run_logged(command: list[str], name: str, final_line: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run a llama.cpp tool whose figures come from its log. Its logger writes from a thread that is
+    never flushed at exit (llama.cpp issue 22142), so a run that ends quickly can lose the log's end,
+    text included, and still exit 0: such a run is repeated (greedy, so it decodes the same tokens)."""
+    for _ in range(LOG_ATTEMPTS):
+        # Tokens are printed one by one, so a multi-byte character can be split: replace, not fail.
+        done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=timeout)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise UserError(f"{name} failed (exit {done.returncode}): {' | '.join(tail)}")
+        if re.search(final_line, done.stderr):
+            break
+    return done
 
 
 def parse_speculative(stdout: str, stderr: str) -> SpeculativeRun:
@@ -231,10 +245,7 @@ def completion(target: Path, prompt: str, n_predict: int = 32, threads: int = 1,
     """Greedy target-only generation of `n_predict` tokens after `prompt` with llama-completion."""
     command = [str(build() / "llama-completion"), "-m", str(target), "-p", prompt, "-n", str(n_predict),
                "-c", str(context), "-t", str(threads), "--temp", "0", "--seed", "0", "-no-cnv"]
-    done = subprocess.run(command + ["-sp"], capture_output=True, text=True, errors="replace", timeout=timeout)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise UserError(f"llama-completion failed (exit {done.returncode}): {' | '.join(tail)}")
+    done = run_logged(command + ["-sp"], "llama-completion", r"eval time", timeout)
     found = re.search(r"perf_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", done.stderr)
     if found is None:
         raise UserError("llama-completion's log has no 'eval time = ... runs'; its output format changed?")
