@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.sessions import open_session
 from speculators.config import UserError, at_least, one_of
 from speculators.target import TargetOutput
 
@@ -292,6 +293,44 @@ class MedusaTreeProposer(MedusaChainProposer):
 
 PROPOSERS["heads", "chain"] = MedusaChainProposer
 PROPOSERS["heads", "tree"] = MedusaTreeProposer
+
+
+class SelfProposer:
+    """Quantized self-speculation (speculators/self_draft.py): the target's low-bit copy decodes k
+    tokens in its own session, greedy or sampled (q = its tempered softmax, over the target's own
+    vocabulary). The copy reads drafts 1..k-1 while drafting; after verification it keeps those the
+    target accepted and reads only the rest of what was emitted (usually the target's own token)."""
+
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
+        self.k, self.session = k, open_session(drafter.copy, max_len)
+
+    def prefill(self, prompt: list[int], token: int, target_out: TargetOutput) -> None:
+        self.read(prompt + [token])
+
+    def read(self, tokens: list[int]) -> None:
+        self.logits = self.session(torch.tensor([tokens])).logits[0, -1]
+
+    def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
+        read_drafts = min(len(new_tokens) - 1, self.k - 1)  # accepted drafts already in the copy's cache
+        self.session.crop(self.verified + read_drafts)
+        self.read(new_tokens[read_drafts:])
+
+    def propose(self, temperature: float, generator: torch.Generator) -> Draft:
+        self.verified, tokens, probs = self.session.length, [], []
+        logits = self.logits
+        for i in range(self.k):
+            if i:
+                logits = self.session(torch.tensor([tokens[-1:]])).logits[0, -1]
+            if temperature == 0:
+                tokens.append(int(logits.argmax()))
+            else:
+                q = torch.softmax(logits / temperature, -1)
+                tokens.append(int(torch.multinomial(q, 1, generator=generator)))
+                probs.append(q)
+        return Draft.chain(tokens, torch.stack(probs) if probs else None)
+
+
+PROPOSERS["self", "chain"] = SelfProposer
 
 
 # --- batches ------------------------------------------------------------------------------------

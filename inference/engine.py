@@ -29,6 +29,7 @@ import kernels
 from inference.drafting import Draft, DraftingConfig, make_batch_proposer, make_proposer
 from inference.sessions import open_session
 from speculators.config import UserError
+from speculators.self_draft import SelfDrafter
 from speculators.target import FrozenTarget, TargetOutput
 
 
@@ -47,6 +48,8 @@ class Stats:
     decode_s: float = 0.0  # after the first token; of which:
     draft_s: float = 0.0  # drafter calls (chains, and reading the accepted positions)
     verify_s: float = 0.0  # target passes over the drafts
+    token_latencies_s: list[float] = field(default_factory=list)  # per token after the first: its step's time / tokens
+    # its row emitted in that step (a burst of accepted drafts shares the step's time)
 
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.k
@@ -75,6 +78,12 @@ class Stats:
                      "draft_s", "verify_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
+        self.token_latencies_s += other.token_latencies_s
+
+    def emitted(self, counts: list[int], seconds: float) -> None:
+        """One decode step took `seconds` and emitted counts[r] tokens in row r."""
+        for count in counts:
+            self.token_latencies_s += [seconds / count] * count
 
 
 @dataclass
@@ -107,6 +116,12 @@ def verify_sampling(drafts: list[int], draft_probs: torch.Tensor, target_logits:
 
 def check_pair(target: FrozenTarget, drafter) -> None:
     """Refuse a drafter built for another target before generating anything."""
+    problems = drafter.check(target) if isinstance(drafter, SelfDrafter) else trained_drafter_problems(target, drafter)
+    if problems:
+        raise UserError("drafter does not fit the target: " + "; ".join(problems))
+
+
+def trained_drafter_problems(target: FrozenTarget, drafter) -> list[str]:
     hidden = drafter.target_hidden_size
     problems = []
     if hidden != target.hidden_size:
@@ -117,8 +132,7 @@ def check_pair(target: FrozenTarget, drafter) -> None:
         problems.append(f"d2t length {len(drafter.d2t)} vs the drafter's {drafter.lm_head.out_features} draft tokens")
     if max(drafter.layer_ids or [0]) >= target.num_layers:
         problems.append(f"feature layer ids {drafter.layer_ids} (drafter) vs a target of {target.num_layers} layers")
-    if problems:
-        raise UserError("drafter does not fit the target: " + "; ".join(problems))
+    return problems
 
 
 @torch.no_grad()
@@ -154,10 +168,12 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
         proposer.prefill(prompt, token, out)
     while len(tokens) < max_new_tokens and token != eos:
         if not k:
+            stepping = time.perf_counter()
             out = session(torch.tensor([[token]]))
             token = pick(out.logits[0, -1], temperature, generator)
             tokens.append(token)
             stats.target_forwards += 1
+            stats.emitted([1], time.perf_counter() - stepping)
             continue
         drafting_started = time.perf_counter()
         draft = proposer.propose(temperature, generator)
@@ -177,6 +193,7 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
         reading = time.perf_counter()
         proposer.accept(new, select_rows(out, rows))
         stats.draft_s += (verifying - drafting_started) + (time.perf_counter() - reading)
+        stats.emitted([len(new)], time.perf_counter() - drafting_started)
     stats.decode_s = time.perf_counter() - started - stats.ttft_s
     return Generation(truncate(tokens, max_new_tokens, eos), stats)
 
@@ -246,9 +263,13 @@ def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_
     stats.target_forwards, stats.ttft_s = 1, time.perf_counter() - started
     emitted = torch.ones(len(prompts), dtype=torch.long)  # tokens of `new` each row emits
     inputs = torch.cat([ids[:, 1:], new], 1)  # what the drafter reads next: the token after each position
+    step_started = time.perf_counter()
     while True:
         for row, (tokens, count) in enumerate(zip(new.tolist(), emitted.tolist())):
             outputs[rows[row]] += tokens[:count]
+        if stats.target_forwards > 1:  # a decode step ended (the first pass is the prefill: time to first token)
+            stats.emitted(emitted.tolist(), time.perf_counter() - step_started)
+        step_started = time.perf_counter()
         going = [row for row, prompt in enumerate(rows) if len(outputs[prompt]) < max_new_tokens
                  and eos not in outputs[prompt][-int(emitted[row]):]]
         if not going:

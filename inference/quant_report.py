@@ -2,7 +2,7 @@
 
     python -m inference.quant_report drafter=<export> [quantized_drafters={int4:<export>,int8:<export>}]
         [schemes=[int8,int4]] [target=<dir>] [eval=stdlib|mtbench|sharegpt|file eval.path=<jsonl>]
-        [max_new_tokens=64] [num_speculative_tokens=K] [repeats=3] [out=DIR]
+        [self_drafts={none:gguf,int8:gguf}] [max_new_tokens=64] [num_speculative_tokens=K] [repeats=3] [out=DIR]
 
 For each quantization scheme s, the production rollout's four steps:
     baseline           full-precision target, no drafter
@@ -18,6 +18,11 @@ acceptance length); and output drift against the full-precision target's greedy 
   teacher-forced on prompt + y: the same contexts, so it is defined even where outputs diverge;
 - with a drafter: the share of prompts whose output equals the same target's output alone (1 for
   every weight-only scheme: greedy speculation is lossless; w8a8 can fall short, speculators/quant.py).
+A target converted from a GGUF file is that file's weights, dequantized: a drafter trained against
+quant=gguf serves it as `drafter` (trained against the same weights).
+Quantized self-speculation (speculators/self_draft.py): self_drafts maps a target ("none": the
+full-precision one) to a lower-precision scheme of the report whose copy drafts for it,
+self_draft_tokens at a time; its table sets it beside that target alone and with `drafter`.
 The cross table: tau of `drafter` and of quantized_drafters.s, each served with the s target, beside
 tau of `drafter` on the full-precision target. Every drafter drafts K = num_speculative_tokens tokens,
 or its own K (the depth it was trained for) when that is null.
@@ -38,7 +43,7 @@ import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from inference import evalsets, report
+from inference import evalsets, plots, report
 from inference.drafting import DraftingConfig, speculative_tokens
 from inference.engine import check_pair
 from inference.evalsets import EvalConfig, Prompt
@@ -56,9 +61,11 @@ from speculators.config import (
     to_dataclass,
 )
 from speculators.quant import QUANT_SCHEMES, QuantConfig, weight_bytes
+from speculators.self_draft import SelfDrafter, check_lower_precision
 from speculators.target import FrozenTarget, TargetConfig
 
 FULL = "fp"  # the full-precision target, and the drafter trained against it
+SELF = "self:"  # drafter key prefix of a self-drafting copy: self:<scheme>
 STEPS = {"baseline": "baseline", "quantization_only": "quantization only", "speculation_only": "speculation only",
          "both": "both"}
 
@@ -76,6 +83,8 @@ class QuantReportConfig:
     quantize_lm_head: bool = False
     cpu_matmul: str = "kernel"  # kernel | dequantize | packed, as speculators.quant.QuantConfig
     eval: EvalConfig = field(default_factory=EvalConfig)  # the prompts: eval=stdlib | mtbench | sharegpt | file
+    self_drafts: dict[str, str] | None = None  # target scheme (none: full precision) -> the scheme of its drafting copy
+    self_draft_tokens: int = 5  # K of the self-drafting copies (they have no trained depth)
     max_new_tokens: int = 64
     num_speculative_tokens: int | None = None  # K for every drafter; None: each drafter's own
     drafting: DraftingConfig = field(default_factory=DraftingConfig)
@@ -93,6 +102,14 @@ class QuantReportConfig:
             require(scheme in self.schemes and scheme != "none", f"quantized_drafters.{scheme}",
                     self.quantized_drafters[scheme], f"keyed by a reported quantized scheme "
                     f"({', '.join(s for s in self.schemes if s != 'none')}); the full-precision one is drafter=")
+        self.self_drafts = self.self_drafts or {}
+        for target, copy in self.self_drafts.items():
+            require(target == "none" or target in self.schemes, f"self_drafts.{target}", copy,
+                    f"keyed by none (full precision) or a reported scheme ({', '.join(self.schemes)})")
+            require(copy in self.schemes, f"self_drafts.{target}", copy,
+                    f"a reported scheme ({', '.join(self.schemes)}): the copy is one of the report's targets")
+            check_lower_precision(copy, target)
+        at_least(1, self_draft_tokens=self.self_draft_tokens)
         require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 1, "num_speculative_tokens",
                 self.num_speculative_tokens, ">= 1, or null for each drafter's own")
         at_least(1, repeats=self.repeats)
@@ -105,6 +122,10 @@ class QuantReportConfig:
         """Who drafts for the quantized target in "both": the drafter trained against it, if given."""
         return scheme if scheme in self.quantized_drafters else FULL
 
+    def self_ways(self) -> list[tuple[str, str]]:
+        """(target, self-drafter key) of every self-drafting pair."""
+        return [(FULL if target == "none" else target, SELF + copy) for target, copy in self.self_drafts.items()]
+
 
 # --- loading ------------------------------------------------------------------------------------
 
@@ -112,24 +133,29 @@ class QuantReportConfig:
 def load(cfg: QuantReportConfig) -> tuple[dict[str, FrozenTarget], dict[str, torch.nn.Module]]:
     """(targets, drafters), both keyed FULL or by scheme: the full-precision target and one per scheme;
     the drafter trained against the full-precision target and those trained against quantized ones."""
-    drafters = {FULL: load_drafter("drafter", cfg.drafter, QuantConfig())}
-    drafters |= {s: load_drafter(f"quantized_drafters.{s}", path, cfg.quant(s))
+    from_gguf = cfg.target.endswith(".gguf")
+    drafters = {FULL: load_drafter("drafter", cfg.drafter, QuantConfig(), from_gguf)}
+    drafters |= {s: load_drafter(f"quantized_drafters.{s}", path, cfg.quant(s), from_gguf)
                  for s, path in cfg.quantized_drafters.items()}
     target_cfg = TargetConfig.named(cfg.target, layer_ids=drafters[FULL].layer_ids)
     targets = {FULL: FrozenTarget.load(target_cfg)} | {s: FrozenTarget.load(target_cfg, cfg.quant(s))
                                                        for s in cfg.schemes}
     for drafter in drafters.values():
         export.share_target_embedding(drafter, targets[FULL])
+    drafters |= {SELF + copy: SelfDrafter(targets[copy], copy, cfg.self_draft_tokens)
+                 for copy in cfg.self_drafts.values()}
     return targets, drafters
 
 
-def load_drafter(key: str, path: str, served: QuantConfig) -> torch.nn.Module:
-    """An export, refused if its training record says it was trained against another quantization."""
+def load_drafter(key: str, path: str, served: QuantConfig, from_gguf: bool) -> torch.nn.Module:
+    """An export, refused if its training record says it was trained against other weights. `from_gguf`:
+    the full-precision target is a GGUF file's weights, so quant=gguf and none hold the same weights."""
     if not Path(path).is_dir():
         raise UserError(f"{key}={path!r}: no such export folder")
     drafter, _ = export.load(Path(path))
     trained = (export.training_record(Path(path)) or {}).get("quant")
-    if trained is not None and not same_quantization(QuantConfig(**trained), served):
+    as_weights = (lambda q: QuantConfig() if q.scheme == "gguf" else q) if from_gguf else (lambda q: q)
+    if trained is not None and not same_quantization(as_weights(QuantConfig(**trained)), as_weights(served)):
         raise UserError(f"{key}={path!r} was trained against a target quantized as {describe(QuantConfig(**trained))},"
                         f" but is served here with {describe(served)}")
     return drafter.eval()
@@ -170,7 +196,7 @@ def ways_of_serving(cfg: QuantReportConfig) -> list[tuple[str, str | None]]:
     ways = [(FULL, None), (FULL, FULL)]
     for s in cfg.schemes:
         ways += [(s, None), (s, cfg.both_drafter(s)), (s, FULL)]
-    return list(dict.fromkeys(ways))
+    return list(dict.fromkeys(ways + cfg.self_ways()))
 
 
 def way_name(way: tuple[str, str | None]) -> str:
@@ -215,13 +241,27 @@ def measure(targets: dict, drafters: dict, prompts: list[Prompt], cfg: QuantRepo
                                 "speculation_only": rows[(FULL, FULL)], "both": rows[(s, cfg.both_drafter(s))]}}
         cross[s] = {"fp_drafter_on_fp_target": rows[(FULL, FULL)], "fp_drafter_on_quantized_target": rows[(s, FULL)],
                     "quantized_drafter_on_quantized_target": rows.get((s, s))}
-    return {"four_way": four_way, "cross": cross, "prompts": [p.text for p in prompts],
+    self_speculation = [{"target": target, "copy": key.removeprefix(SELF), "alone": rows[(target, None)],
+                         "drafter": rows[(target, FULL)], "self": rows[(target, key)]} for target, key in cfg.self_ways()]
+    return {"four_way": four_way, "cross": cross, "self_speculation": self_speculation,
+            "prompts": [p.text for p in prompts],
             "prompt_turns": [p.turn for p in prompts],
             "outputs": {way_name(way): decoded[way].outputs for way in ways},
-            "drafters": {key: {"path": cfg.drafter if key == FULL else cfg.quantized_drafters[key],
-                               "trained_against": "full precision" if key == FULL else key,
+            "drafters": {key: {"path": drafter_path(cfg, key), "trained_against": trained_against(cfg, key),
                                "num_speculative_tokens": ks[key]} for key in drafters},
             "config": asdict(cfg), "git_revision": report.git_revision(), "machine": report.machine()}
+
+
+def drafter_path(cfg: QuantReportConfig, key: str) -> str | None:
+    return cfg.drafter if key == FULL else cfg.quantized_drafters.get(key)
+
+
+def trained_against(cfg: QuantReportConfig, key: str) -> str:
+    """What a drafter was trained against, as its training record says; a self-drafting copy is not trained."""
+    if key.startswith(SELF):
+        return "not trained: the target quantized with " + key.removeprefix(SELF)
+    trained = (export.training_record(Path(drafter_path(cfg, key))) or {}).get("quant")
+    return describe(QuantConfig(**trained)) if trained else "full precision" if key == FULL else key
 
 
 def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:
@@ -252,7 +292,7 @@ def markdown(result: dict) -> str:
     cfg = result["config"]
     ks = {key: d["num_speculative_tokens"] for key, d in result["drafters"].items()}
     k = f"{next(iter(ks.values()))}-token" if len(set(ks.values())) == 1 else \
-        "K-token (" + ", ".join(f"{target_label(key)} drafter {n}" for key, n in ks.items()) + ")"
+        "K-token (" + ", ".join(f"{drafter_name(key)} {n}" for key, n in ks.items()) + ")"
     lines = [f"{len(result['prompts'])} prompts, {cfg['max_new_tokens']} new tokens each, greedy, "
              f"{k} {cfg['drafting']['mode']} drafts; tokens/s: decode after the "
              f"first token, median of {cfg['repeats']} interleaved repeats; torch {result['machine']['torch']}, "
@@ -270,6 +310,17 @@ def markdown(result: dict) -> str:
                          f"| {row['speedup_vs_baseline']:.2f}x | {number(row['acceptance_length'], 2)} "
                          f"| {row['greedy_agreement']:.3f} | {row['mean_equal_prefix']:.1f} "
                          f"| {row['mean_kl_fp_to_served']:.4g} | {number(row['same_output_as_target_alone'], 2)} |")
+    if result["self_speculation"]:
+        lines += ["", "Quantized self-speculation: the target's own lower-precision copy drafts for it.", "",
+                  "| target | drafter | tokens/s | speed-up over the target alone | over the baseline | tau "
+                  "| same output as the target alone |", "|---|---|--:|--:|--:|--:|--:|"]
+        for entry in result["self_speculation"]:
+            alone = entry["alone"]["decode_tokens_per_s"]
+            for row in (entry["alone"], entry["drafter"], entry["self"]):
+                lines.append(f"| {target_label(row['target'])} | {drafter_label(row['drafter'])} "
+                             f"| {row['decode_tokens_per_s']:.1f} | {row['decode_tokens_per_s'] / alone:.2f}x "
+                             f"| {row['speedup_vs_baseline']:.2f}x | {number(row['acceptance_length'], 2)} "
+                             f"| {number(row['same_output_as_target_alone'], 2)} |")
     lines += ["", "Cross table: tau of each drafter served with the quantized target.", "",
               "| scheme | fp drafter, fp target | fp drafter, quantized target | quantized drafter, quantized target "
               "| quantized drafter / fp reference |", "|---|--:|--:|--:|--:|"]
@@ -286,20 +337,49 @@ def target_label(key: str) -> str:
     return "full precision" if key == FULL else key
 
 
+def drafter_name(key: str) -> str:
+    return f"{key.removeprefix(SELF)} copy" if key.startswith(SELF) else f"{target_label(key)} drafter"
+
+
 def drafter_label(key: str | None) -> str:
-    return "-" if key is None else f"trained on {target_label(key)}"
+    if key is None:
+        return "-"
+    return f"its {key.removeprefix(SELF)} copy" if key.startswith(SELF) else f"trained on {target_label(key)}"
 
 
 def number(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def all_rows(result: dict) -> list[dict]:
+    """Every way of serving once, in the tables' order."""
+    rows = [row for entry in result["four_way"].values() for row in entry["rows"].values()]
+    rows += [entry[key] for entry in result["self_speculation"] for key in ("alone", "drafter", "self")]
+    return list({(row["target"], row["drafter"]): row for row in rows}.values())
+
+
+def plot(result: dict, path: Path) -> None:
+    """Decode tokens/s of every way of serving, tau beside each drafted bar."""
+    rows = all_rows(result)
+    labels = [f"{target_label(r['target'])} + {drafter_label(r['drafter'])}" if r["drafter"] else
+              target_label(r["target"]) for r in rows]
+    speeds = [r["decode_tokens_per_s"] for r in rows]
+    with plots.figure(path, (6.5, 0.45 * len(rows) + 1.2)) as ax:
+        ax.barh(labels, speeds, color=["tab:blue" if r["drafter"] else "tab:gray" for r in rows])
+        for y, r in enumerate(rows):
+            if r["drafter"]:
+                ax.text(r["decode_tokens_per_s"], y, f" tau {r['acceptance_length']:.2f}", va="center", fontsize=8)
+        ax.invert_yaxis()
+        ax.set(xlabel="decode tokens/s (median of interleaved repeats)", xlim=(0, max(speeds) * 1.3))
+
+
 def write(result: dict, out_dir: Path) -> Path:
-    """quant_report.json and quant_report.md in out_dir; the tables on the console."""
+    """quant_report.json, quant_report.md and quant_report.png in out_dir; the tables on the console."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "quant_report.json").write_text(json.dumps(result, indent=2))
     tables = markdown(result)
     (out_dir / "quant_report.md").write_text(tables)
+    plot(result, out_dir / "quant_report.png")
     print(tables)
     return out_dir / "quant_report.json"
 

@@ -45,8 +45,8 @@ def exports(llama_target, make_drafter, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def cfg(exports, llama_dir) -> QuantReportConfig:
     return QuantReportConfig(drafter=str(exports[FULL]), quantized_drafters={"int4": str(exports["int4"])},
-                             target=str(llama_dir), schemes=["none", "int8", "int4"], max_new_tokens=NEW_TOKENS,
-                             num_speculative_tokens=K, repeats=2)
+                             target=str(llama_dir), schemes=["none", "int8", "int4"], self_drafts={"none": "int8"},
+                             self_draft_tokens=K, max_new_tokens=NEW_TOKENS, num_speculative_tokens=K, repeats=2)
 
 
 @pytest.fixture(scope="module")
@@ -163,11 +163,25 @@ def test_cross_table_serves_the_drafters_it_was_given(result, loaded):
     assert int8_line.endswith("| - | - |")
 
 
+def test_self_speculation_rows_sit_beside_the_target_alone_and_the_drafter(result, tmp_path):
+    (entry,) = result["self_speculation"]
+    assert (entry["target"], entry["copy"]) == (FULL, "int8")
+    assert [entry[key]["drafter"] for key in ("alone", "drafter", "self")] == [None, FULL, "self:int8"]
+    own = entry["self"]
+    assert own["same_output_as_target_alone"] == 1  # greedy self-speculation is lossless
+    assert own["acceptance_length"] > entry["drafter"]["acceptance_length"]  # an int8 copy agrees more than a random head
+    assert result["drafters"]["self:int8"]["trained_against"].startswith("not trained")
+    tables = markdown(result)
+    assert "| full precision | its int8 copy |" in tables
+    write(result, tmp_path)
+    assert (tmp_path / "quant_report.png").stat().st_size > 0
+
+
 def test_the_tables_say_how_many_tokens_each_drafter_drafts(result):
     assert markdown(result).startswith(f"{len(PROMPTS)} prompts, {NEW_TOKENS} new tokens each, greedy, {K}-token "
                                        f"chain drafts;")
     drafters = {**result["drafters"], "int4": {**result["drafters"]["int4"], "num_speculative_tokens": K - 1}}
-    assert f"greedy, K-token (full precision drafter {K}, int4 drafter {K - 1}) chain drafts;" in markdown(
+    assert f"greedy, K-token (full precision drafter {K}, int4 drafter {K - 1}, int8 copy {K}) chain drafts;" in markdown(
         {**result, "drafters": drafters})
 
 
@@ -180,6 +194,10 @@ def test_the_tables_say_how_many_tokens_each_drafter_drafts(result):
     (dict(group_size=3), "group_size"),
     (dict(max_new_tokens=1), "max_new_tokens"),
     (dict(num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(schemes=["int8", "int4"], self_drafts={"int4": "int8"}), "self-drafting scheme='int8'"),  # not lower
+    (dict(schemes=["int8"], self_drafts={"int8": "int8"}), "self-drafting scheme='int8'"),
+    (dict(schemes=["int8"], self_drafts={"none": "int4"}), "self_drafts.none"),  # not a reported scheme
+    (dict(schemes=["int8"], self_draft_tokens=0), "self_draft_tokens"),
 ])
 def test_bad_config_is_a_one_line_error(fields, key):
     with pytest.raises(UserError) as error:
