@@ -8,11 +8,13 @@ same machine load. The report has the same keys at every batch size.
 
 import json
 import resource
+import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from inference import plots
 from inference.drafting import DraftingConfig, speculative_tokens
 from inference.engine import Stats, check_pair, generate_batch
 from inference.evalsets import EvalConfig, Prompt
@@ -167,9 +169,19 @@ class Tally:
             "ttft_s": spec.ttft_s / max(self.batches, 1),  # every prompt of a batch waits for the batch's prefill
             "tpot_s": spec.decode_s / max(self.steps, 1),
             "baseline_tpot_s": base.decode_s / max(self.base_steps, 1),
+            "token_latency_ms": percentiles(spec.token_latencies_s),
+            "baseline_token_latency_ms": percentiles(base.token_latencies_s),
             "time_split_s": {"draft": spec.draft_s, "verify": spec.verify_s,
                              "other": spec.decode_s - spec.draft_s - spec.verify_s, "first_token": spec.ttft_s},
         }
+
+
+def percentiles(latencies_s: list[float]) -> dict | None:
+    """p50 / p95 / p99 of per-token latencies (engine.Stats.token_latencies_s), in milliseconds."""
+    if len(latencies_s) < 2:
+        return None
+    cuts = statistics.quantiles([s * 1000 for s in latencies_s], n=100, method="inclusive")
+    return {"p50": cuts[49], "p95": cuts[94], "p99": cuts[98]}
 
 
 def measure_turn(target, drafter, prompts: list[Prompt], cfg: InferenceConfig) -> Tally:
@@ -201,22 +213,14 @@ def peak_memory_mb() -> float:
 
 def write(report: dict, out_dir: Path) -> Path:
     """report.json and acceptance.png in out_dir; the table on the console."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
     rates = report["acceptance_rate_per_position"]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(range(1, len(rates) + 1), rates, marker="o")
-    ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1), xticks=range(1, len(rates) + 1),
-           title=f"acceptance length tau = {report['acceptance_length']:.2f}")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_dir / "acceptance.png", dpi=120)
-    plt.close(fig)
+    with plots.figure(out_dir / "acceptance.png") as ax:
+        ax.plot(range(1, len(rates) + 1), rates, marker="o")
+        ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1), xticks=range(1, len(rates) + 1),
+               title=f"acceptance length tau = {report['acceptance_length']:.2f}")
+        ax.grid(alpha=0.3)
     print(table(report))
     return out_dir / "report.json"
 

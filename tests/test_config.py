@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from inference.batch_sweep import BatchSweepConfig
 from inference.bench import BenchConfig
 from inference.llamacpp_bench import LlamacppBenchConfig
 from inference.report import InferenceConfig
@@ -34,7 +35,7 @@ def test_every_recipe_maps_onto_its_dataclasses(recipe):
 
 
 @pytest.mark.parametrize("name, cls", [("config", InferenceConfig), ("bench", BenchConfig),
-                                            ("llamacpp_bench", LlamacppBenchConfig)])
+                                            ("llamacpp_bench", LlamacppBenchConfig), ("batch_sweep", BatchSweepConfig)])
 def test_inference_configs_map_onto_their_dataclasses(name, cls):
     to_dataclass(cls, composed(["drafter=some/export"], CONF / "inference", name))
 
