@@ -22,7 +22,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from inference import evalsets, rounds
+from inference import evalsets, plots, rounds
 from inference.drafting import DraftingConfig, speculative_tokens
 from inference.evalsets import EvalConfig
 from speculators.config import UserError, at_least, exit_on_user_error, register_group, require, run_cli, to_dataclass
@@ -163,24 +163,16 @@ def markdown(table: list[dict]) -> str:
 
 
 def plot(table: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in table[1:]:
-        rates = r["acceptance_rate_per_position"]
-        ax.plot(range(1, len(rates) + 1), rates, marker="o",
-                label=f"{r['method']}: tau {r['acceptance_length']:.2f}, {r['speedup']:.2f}x")
-    positions = range(1, max(len(r["acceptance_rate_per_position"]) for r in table) + 1)
-    ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1), xticks=positions,
-           title="acceptance per position")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with plots.figure(path, (6, 4)) as ax:
+        for r in table[1:]:
+            rates = r["acceptance_rate_per_position"]
+            ax.plot(range(1, len(rates) + 1), rates, marker="o",
+                    label=f"{r['method']}: tau {r['acceptance_length']:.2f}, {r['speedup']:.2f}x")
+        positions = range(1, max(len(r["acceptance_rate_per_position"]) for r in table) + 1)
+        ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1), xticks=positions,
+               title="acceptance per position")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
 
 
 def write(result: dict, out_dir: Path) -> Path:

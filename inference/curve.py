@@ -13,6 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
+from inference import plots
 from speculators.config import UserError, exit_on_user_error
 
 
@@ -30,18 +31,10 @@ def point(run_dir: Path) -> dict:
 
 
 def plot(points: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot([p["tokens_seen"] / 1e6 for p in points], [p["acceptance_length"] for p in points], marker="o")
-    ax.set(xlabel="training tokens seen (millions)", ylabel="tau (acceptance length)", title=title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with plots.figure(path) as ax:
+        ax.plot([p["tokens_seen"] / 1e6 for p in points], [p["acceptance_length"] for p in points], marker="o")
+        ax.set(xlabel="training tokens seen (millions)", ylabel="tau (acceptance length)", title=title)
+        ax.grid(alpha=0.3)
 
 
 @exit_on_user_error
