@@ -261,7 +261,8 @@ def trained_against(cfg: QuantReportConfig, key: str) -> str:
     if key.startswith(SELF):
         return "not trained: the target quantized with " + key.removeprefix(SELF)
     trained = (export.training_record(Path(drafter_path(cfg, key))) or {}).get("quant")
-    return describe(QuantConfig(**trained)) if trained else "full precision" if key == FULL else key
+    scheme = trained["scheme"] if trained else "none" if key == FULL else key
+    return target_label(FULL if scheme == "none" else scheme)
 
 
 def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:
@@ -305,7 +306,7 @@ def markdown(result: dict) -> str:
                   "| mean equal prefix | mean KL(p_fp ‖ p) | same output as the target alone |",
                   "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
         for step, row in entry["rows"].items():
-            lines.append(f"| {STEPS[step]} | {target_label(row['target'])} | {drafter_label(row['drafter'])} "
+            lines.append(f"| {STEPS[step]} | {target_label(row['target'])} | {drafter_label(row['drafter'], result['drafters'])} "
                          f"| {row['weight_bytes'] / 2**20:.2f} | {row['decode_tokens_per_s']:.1f} "
                          f"| {row['speedup_vs_baseline']:.2f}x | {number(row['acceptance_length'], 2)} "
                          f"| {row['greedy_agreement']:.3f} | {row['mean_equal_prefix']:.1f} "
@@ -317,7 +318,7 @@ def markdown(result: dict) -> str:
         for entry in result["self_speculation"]:
             alone = entry["alone"]["decode_tokens_per_s"]
             for row in (entry["alone"], entry["drafter"], entry["self"]):
-                lines.append(f"| {target_label(row['target'])} | {drafter_label(row['drafter'])} "
+                lines.append(f"| {target_label(row['target'])} | {drafter_label(row['drafter'], result['drafters'])} "
                              f"| {row['decode_tokens_per_s']:.1f} | {row['decode_tokens_per_s'] / alone:.2f}x "
                              f"| {row['speedup_vs_baseline']:.2f}x | {number(row['acceptance_length'], 2)} "
                              f"| {number(row['same_output_as_target_alone'], 2)} |")
@@ -341,10 +342,12 @@ def drafter_name(key: str) -> str:
     return f"{key.removeprefix(SELF)} copy" if key.startswith(SELF) else f"{target_label(key)} drafter"
 
 
-def drafter_label(key: str | None) -> str:
+def drafter_label(key: str | None, drafters: dict) -> str:
+    """`drafters`: the result's, which say what each was trained against."""
     if key is None:
         return "-"
-    return f"its {key.removeprefix(SELF)} copy" if key.startswith(SELF) else f"trained on {target_label(key)}"
+    return f"its {key.removeprefix(SELF)} copy" if key.startswith(SELF) else \
+        f"trained on {drafters[key]['trained_against']}"
 
 
 def number(value: float | None, digits: int) -> str:
@@ -361,7 +364,7 @@ def all_rows(result: dict) -> list[dict]:
 def plot(result: dict, path: Path) -> None:
     """Decode tokens/s of every way of serving, tau beside each drafted bar."""
     rows = all_rows(result)
-    labels = [f"{target_label(r['target'])} + {drafter_label(r['drafter'])}" if r["drafter"] else
+    labels = [f"{target_label(r['target'])} + {drafter_label(r['drafter'], result['drafters'])}" if r["drafter"] else
               target_label(r["target"]) for r in rows]
     speeds = [r["decode_tokens_per_s"] for r in rows]
     with plots.figure(path, (6.5, 0.45 * len(rows) + 1.2)) as ax:
