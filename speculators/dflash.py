@@ -8,7 +8,7 @@ every draft layer's k_proj / v_proj (with k_norm and RoPE at their own positions
 extra keys and values. Queries come from the block only, and a block sees the context before its
 anchor and its whole block both ways (no causal mask inside it). The draft layers are Qwen3's (q_norm
 and k_norm per head); embeddings and lm_head are the target's, frozen (lm_head restricted to a draft
-vocabulary, d2t/t2d). The mask token's embedding is learned, as P-EAGLE's (speculators/peagle.py).
+vocabulary, d2t/t2d). The mask token's embedding is learned (speculators/mask_token.py).
 
 Training: `anchors` blocks per sequence in one pass, at random positions whose first draft is
 loss-masked (a fixed draw in eval mode). Each block's queries see the context strictly before its
@@ -20,7 +20,7 @@ positions' context keys to every layer's cache and runs the block once; the bloc
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,8 @@ from speculators.config import UserError, at_least, one_of, require
 from speculators.drafter import Drafter
 from speculators.eagle3 import layer_config
 from speculators.layers import KVCache, RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
-from speculators.peagle import LayerCaches, fold_mask_embedding, least_frequent, unfold_mask_embedding
+from speculators.mask_token import MaskEmbedding, with_mask_token
+from speculators.peagle import LayerCaches
 from speculators.target import FrozenTarget, TargetOutput
 
 
@@ -114,7 +115,7 @@ class DFlashDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDrafter(Drafter):
+class DFlashDrafter(MaskEmbedding, Drafter):
     config_class = DFlashConfig
     export_format = "speculators"
     speculators_model_type = "dflash"
@@ -131,7 +132,7 @@ class DFlashDrafter(Drafter):
         require(cfg.block_size < layer_cfg.max_position_embeddings, "drafter.block_size", cfg.block_size,
                 f"below the target's context of {layer_cfg.max_position_embeddings} positions")
         self.embed_tokens = nn.Embedding(V, H).requires_grad_(False)  # the target's, frozen
-        self.mask_embedding = nn.Parameter(torch.zeros(H))  # row mask_token_id of embed_tokens, learned
+        self.add_mask_embedding(H)
         self.fc = nn.Linear(len(layer_ids) * target_hidden_size, H, bias=False)
         self.hidden_norm = RMSNorm(H, layer_cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DFlashDecoderLayer(layer_cfg) for _ in range(cfg.num_layers)])
@@ -139,22 +140,19 @@ class DFlashDrafter(Drafter):
         self.lm_head = nn.Linear(H, N, bias=False).requires_grad_(False)  # the target's rows, frozen
         self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
-        self.register_state_dict_post_hook(fold_mask_embedding)
-        self.register_load_state_dict_pre_hook(unfold_mask_embedding)
 
     @classmethod
     def from_target(cls, cfg: DFlashConfig, target: FrozenTarget, token_counts: torch.Tensor) -> "DFlashDrafter":
         if not target.layer_ids:
             raise UserError("DFlash reads target features: target.layer_ids must name at least one layer")
-        if cfg.mask_token_id is None:
-            cfg = replace(cfg, mask_token_id=least_frequent(token_counts))
+        cfg = with_mask_token(cfg, token_counts)
         layer_cfg = layer_config(target)
         layer_cfg.num_hidden_layers = cfg.num_layers
         drafter = cls(cfg, layer_cfg, target.layer_ids, target.hidden_size)
         drafter.d2t, drafter.t2d = draft_vocab.build(token_counts, cfg.draft_vocab_size)
         with torch.no_grad():
             drafter.embed_tokens.weight.copy_(target.embedding_weight().float())
-            drafter.mask_embedding.copy_(drafter.embed_tokens.weight[cfg.mask_token_id])
+            drafter.reset_mask_embedding()
             drafter.lm_head.weight.copy_(target.lm_head_weight()[drafter.draft_to_target].float())
         return drafter
 
@@ -176,11 +174,6 @@ class DFlashDrafter(Drafter):
     @property
     def target_hidden_size(self) -> int:
         return self.fc.in_features // len(self.layer_ids)
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The target's embeddings, with the learned mask embedding wherever mask_token_id stands."""
-        is_mask = (tokens == self.cfg.mask_token_id).unsqueeze(-1)
-        return torch.where(is_mask, self.mask_embedding, self.embed_tokens(tokens))
 
     def features(self, target_out: TargetOutput) -> torch.Tensor:
         """The context of verified positions: hidden_norm(fc(target layers' outputs))."""

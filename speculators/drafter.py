@@ -16,7 +16,7 @@ class Drafter(nn.Module):
     export_format: str  # the format speculators.export writes by default (its FORMATS key)
     drafting_kind: str  # how inference.drafting serves it: autoregressive | parallel | heads
     layer_ids: list[int] = []  # target layers whose hidden states it reads; [] (EAGLE-1, Medusa): the last one only
-    embedding_from_target = False  # loaded from an export without embed_tokens: export.share_target_embedding fills it
+    left_to_target: tuple[str, ...] = ()  # weights its export left to the target: export.share_target_embedding fills them
     cfg: object  # an instance of config_class
     d2t: torch.Tensor  # draft id -> target id offset [N] (speculators/draft_vocab.py)
     t2d: torch.Tensor  # target id -> in the draft vocabulary [V]
@@ -30,6 +30,11 @@ class Drafter(nn.Module):
                       loss_mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """(loss, metrics with acc_step{j} for every draft position j) of a batch, given the target's outputs."""
         raise NotImplementedError
+
+    @property
+    def embedding_from_target(self) -> bool:
+        """Loaded from an export without embed_tokens (the target's, not yet shared)."""
+        return "embed_tokens.weight" in self.left_to_target
 
     @property
     def target_hidden_size(self) -> int:

@@ -27,6 +27,19 @@ intact), no silent overwrite, and refusing corrupt or truncated files.
   and medusa_choices, the candidate tree served); head k's weights are
   `{k}.{layer}.linear.{weight,bias}` (ResBlocks) and `{k}.{num_layers}.weight` (its lm_head).
 
+- dflash (the original DFlash layout: z-lab/dflash's DFlashDraftModel, SGLang's DFLASH, llama.cpp's converter
+  `convert_hf_to_gguf.py DRAFT --target-model-dir TARGET`, conversion/qwen.py DFlashModel): architectures
+  DFlashDraftModel, the draft layers' Qwen3 config (vocab_size the target's), block_size, num_target_layers and
+  dflash_config {mask_token_id, target_layer_ids}. A target layer id there is the decoder layer whose output is
+  read, HF hidden_states[i + 1] (the authors' extract_context_feature; the converter writes i + 1 as the layer
+  llama.cpp takes the input of): ours minus one. Weights fc.weight, hidden_norm.weight, layers.N.*, norm.weight;
+  the learned mask embedding in mask_embedding.pt {mask_token_id, embedding}, which the converter writes into
+  row mask_token_id of the target's embeddings. No embed_tokens, lm_head, d2t or t2d: these engines embed and
+  project with the target's own, over its whole vocabulary. Our lm_head rows are frozen copies of the target's,
+  so the export drafts what ours does wherever the full-vocabulary argmax lies in the draft vocabulary; loaded
+  back, it is such a full-vocabulary drafter, filled from the target (`share_target_embedding`). It does not
+  name its target (serve it with target=...).
+
 - gguf (llama.cpp, `-md draft.gguf --spec-type draft-eagle3`): EAGLE-3 only, one file OUT ending in
   .gguf (speculators/export_gguf.py); written, not read back. The tokenizer comes from the target the
   source records or --target (best: the .gguf llama.cpp will serve as the target).
@@ -52,7 +65,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig
 
-from speculators import draft_vocab, export_gguf
+from speculators import draft_vocab, export_gguf, gguf_file
 from speculators.config import UserError
 from speculators.layers import rope_theta
 
@@ -200,6 +213,68 @@ def read_eagle3(config: dict, weights: dict):
     return drafter, {name.replace("midlayer.", "layers.0.", 1): t for name, t in weights.items()}
 
 
+# Keys of an original DFlash config.json that are not fields of the draft layers' config.
+DFLASH_FORMAT_KEYS = ("architectures", "model_type", "block_size", "dflash_config", "num_target_layers", "torch_dtype")
+MASK_FILE = "mask_embedding.pt"  # the original DFlash layout's learned mask embedding
+
+
+def write_dflash(drafter, verifier: Verifier) -> tuple[dict, dict]:
+    """The layout the DFlash authors, SGLang and llama.cpp's converter read (module docstring: dflash)."""
+    config = drafter.layer_cfg.to_dict() | {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "num_hidden_layers": len(drafter.layers),
+        "vocab_size": len(drafter.t2d),
+        "rope_theta": rope_theta(drafter.layer_cfg),
+        "block_size": drafter.cfg.block_size,
+        "num_target_layers": target_layer_count(verifier.name_or_path),
+        "dflash_config": {"mask_token_id": drafter.cfg.mask_token_id,
+                          "target_layer_ids": [k - 1 for k in drafter.layer_ids]},
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    weights = {name: t for name, t in drafter.state_dict().items()
+               if name not in ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")}
+    weights[MASK_FILE] = {"mask_token_id": drafter.cfg.mask_token_id,
+                          "embedding": drafter.mask_embedding.detach().float().cpu().clone()}
+    return config, weights
+
+
+def read_dflash(config: dict, weights: dict):
+    """A drafter over the target's whole vocabulary; embed_tokens and lm_head are the target's (load leaves
+    them, and the mask embedding when there is no mask_embedding.pt, to share_target_embedding)."""
+    from speculators.dflash import DFlashConfig, DFlashDrafter
+
+    dflash = config.get("dflash_config", {})
+    if dflash.get("mask_token_id") is None or not dflash.get("target_layer_ids"):
+        raise UserError("an original DFlash config.json needs dflash_config.mask_token_id and "
+                        "dflash_config.target_layer_ids")
+    layer_cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in DFLASH_FORMAT_KEYS})
+    V, mask_id = layer_cfg.vocab_size, dflash["mask_token_id"]
+    cfg = DFlashConfig(block_size=config["block_size"], num_layers=layer_cfg.num_hidden_layers, draft_vocab_size=V,
+                       mask_token_id=mask_id)
+    drafter = DFlashDrafter(cfg, layer_cfg, [i + 1 for i in dflash["target_layer_ids"]], layer_cfg.hidden_size)
+    weights = dict(weights, d2t=torch.zeros(V, dtype=torch.long), t2d=torch.ones(V, dtype=torch.bool))
+    mask = weights.pop(MASK_FILE, None)
+    if mask is not None:
+        if mask.get("mask_token_id") != mask_id:
+            raise UserError(f"{MASK_FILE} is for mask_token_id {mask.get('mask_token_id')}, config.json says {mask_id}")
+        weights["mask_embedding"] = mask["embedding"]
+    return drafter, weights
+
+
+def target_layer_count(name_or_path: str) -> int:
+    """The target's decoder layers, from its GGUF header or its config.json."""
+    if name_or_path.endswith(".gguf"):
+        reader = gguf_file.read(gguf_file.locate(name_or_path))
+        return gguf_file.field(reader, f"{gguf_file.field(reader, 'general.architecture')}.block_count")
+    try:
+        return AutoConfig.from_pretrained(name_or_path).num_hidden_layers
+    except (OSError, ValueError):
+        raise UserError(f"the original DFlash format records the target's layer count, and the config of "
+                        f"{name_or_path} cannot be read here; name the target by its local folder or .gguf file") from None
+
+
 def write_medusa(drafter, verifier: Verifier) -> tuple[dict, dict]:
     config = {
         "medusa_num_heads": drafter.cfg.num_speculative_tokens,
@@ -236,14 +311,19 @@ class Format(NamedTuple):
     verifier: Callable  # config -> the target's name_or_path it records, or None
     weights_file: str = "model.safetensors"
     save: Callable | None = None  # (drafter, out, Verifier, overwrite) -> path: a format that is not a folder
+    extra_file: str | None = None  # a torch.save file beside the weights, under its name in the weights dict
+    left_to_target: tuple[str, ...] = ()  # weights an export may leave out: the target's (share_target_embedding)
 
 
 # A drafter class names its format in `export_format`.
 FORMATS = {
     "speculators": Format(("eagle3", "peagle", "dflash"), write_speculators, read_speculators,
-                          lambda config: config["speculators_config"]["verifier"]["name_or_path"]),
+                          lambda config: config["speculators_config"]["verifier"]["name_or_path"],
+                          left_to_target=("embed_tokens.weight",)),
     "eagle": Format(("eagle",), write_eagle, read_eagle, lambda config: config["base_model_name_or_path"]),
     "eagle3": Format(("eagle3",), write_eagle3, read_eagle3, lambda config: None),  # it does not name its target
+    "dflash": Format(("dflash",), write_dflash, read_dflash, lambda config: None, extra_file=MASK_FILE,
+                     left_to_target=("embed_tokens.weight", "lm_head.weight", "mask_embedding")),
     # Medusa's loaders (FasterDecoding/Medusa, TGI, TensorRT-LLM) look for this file name.
     "medusa": Format(("medusa",), write_medusa, read_medusa, lambda config: config["base_model_name_or_path"],
                      "medusa_lm_head.safetensors"),
@@ -262,6 +342,8 @@ def format_of(config: dict) -> str | None:
         return "medusa"
     if config.get("architectures") == ["LlamaForCausalLMEagle3"]:
         return "eagle3"
+    if config.get("architectures") == ["DFlashDraftModel"]:
+        return "dflash"
     # EAGLE-1: the plain one-layer Llama config EAGLE writes, naming its base model as ours do.
     if (config.get("architectures") == ["LlamaForCausalLM"] and config.get("num_hidden_layers") == 1
             and "base_model_name_or_path" in config):
@@ -283,6 +365,7 @@ def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, tr
     if FORMATS[fmt].save is not None:
         return FORMATS[fmt].save(drafter, out_dir, verifier, overwrite)
     config, weights = FORMATS[fmt].write(drafter, verifier)  # validates before anything is written
+    extra = weights.pop(FORMATS[fmt].extra_file, None)
     if shared_embedding:
         if (fmt, drafter.cfg.family) != ("speculators", "eagle3"):
             raise UserError(f"shared_embedding: only EAGLE-3 drafters in the speculators format leave out their "
@@ -303,6 +386,8 @@ def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, tr
     save_file({name: t.detach().cpu().contiguous() for name, t in weights.items()}, weights_file)
     weights_file.chmod(0o644)  # safetensors writes 0600; serving often runs as another user
     (partial / "config.json").write_text(json.dumps(config, indent=2))
+    if extra is not None:
+        torch.save(extra, partial / FORMATS[fmt].extra_file)
     if training is not None:
         (partial / "training.json").write_text(json.dumps(training, indent=2))
     move_into_place(partial, out_dir)
@@ -339,22 +424,30 @@ def load(path: Path) -> tuple[torch.nn.Module, str | None]:
     if fmt is None:
         raise UserError(f"{path}: config.json is not in a drafter format this project reads "
                         f"(supported: {', '.join(FORMATS)})")
-    drafter, weights = FORMATS[fmt].read(config, read_weights(path / FORMATS[fmt].weights_file))
+    weights = read_weights(path / FORMATS[fmt].weights_file)
+    extra = FORMATS[fmt].extra_file
+    if extra is not None and (path / extra).is_file():
+        weights[extra] = torch.load(path / extra, map_location="cpu", weights_only=True)
+    drafter, weights = FORMATS[fmt].read(config, weights)
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
-    drafter.embedding_from_target = fmt == "speculators" and missing == ["embed_tokens.weight"]
-    if drafter.embedding_from_target:
-        missing = []  # saved with shared_embedding: share_target_embedding fills it in
+    drafter.left_to_target = tuple(name for name in missing if name in FORMATS[fmt].left_to_target)
+    missing = [name for name in missing if name not in drafter.left_to_target]  # share_target_embedding fills those
     if missing or unexpected:
         raise UserError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
     return drafter, FORMATS[fmt].verifier(config)
 
 
 def share_target_embedding(drafter, target) -> None:
-    """Give a drafter exported without its embeddings (shared_embedding) the target's, as vLLM does."""
-    if drafter.embedding_from_target:
-        with torch.no_grad():
+    """Give a drafter exported without its embeddings (shared_embedding, the original DFlash layout) the
+    target's, as vLLM does; and the target's lm_head and mask-token row where the export left those out."""
+    with torch.no_grad():
+        if "embed_tokens.weight" in drafter.left_to_target:
             drafter.embed_tokens.weight.copy_(target.embedding_weight().float())
-        drafter.embedding_from_target = False
+        if "lm_head.weight" in drafter.left_to_target:
+            drafter.lm_head.weight.copy_(target.lm_head_weight().float())
+    if "mask_embedding" in drafter.left_to_target:
+        drafter.reset_mask_embedding()
+    drafter.left_to_target = ()
 
 
 def training_record(path: Path) -> dict | None:

@@ -22,12 +22,10 @@ reduced draft vocabulary (d2t/t2d); the target's embeddings, frozen.
 
 The mask token's embedding is learned. P-EAGLE has no separate embedding for it: it is row
 mask_token_id of embed_tokens, which speculators trains with the whole table
-(embed_requires_grad). Here only that row learns (`mask_embedding`, H values instead of an
-optimizer state over V x H); the state dict folds it into embed_tokens.weight, so an export
-carries it where vLLM reads it (it embeds mask_token_id with the drafter's embed_tokens).
-Every occurrence of mask_token_id gets it, so pick an id the data does not use: by default
-the least frequent token of the training data (the highest id among the unused ones, e.g.
-Qwen's padded rows beyond the tokenizer, Llama-3's reserved tokens).
+(embed_requires_grad). Here only that row learns (speculators/mask_token.py), folded into
+embed_tokens.weight in the state dict. The default mask token is the least frequent token of the
+training data (the highest id among the unused ones, e.g. Qwen's padded rows beyond the tokenizer,
+Llama-3's reserved tokens).
 
 Conditional drop-token (COD) sampling keeps depth d >= 1 of an anchor with probability
 p_d = max(r^d, r_min) (r = keep_ratio, r_min = min_keep), and only if depth d-1 of that
@@ -48,7 +46,7 @@ single chain, so causal is the rule above); the logits of the last verified posi
 mask positions are the k drafts; the mask positions are then cropped from the caches.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +68,7 @@ from speculators.eagle3 import (
     ttt_attention,
 )
 from speculators.layers import KVCache, RMSNorm, SwiGLU, rope_theta, rotary
+from speculators.mask_token import MaskEmbedding, with_mask_token
 from speculators.target import FrozenTarget, TargetOutput
 
 
@@ -127,7 +126,7 @@ class LayerCaches(list):
             cache.crop(length)
 
 
-class PEagleDrafter(Drafter):
+class PEagleDrafter(MaskEmbedding, Drafter):
     config_class = PEagleConfig
     export_format = "speculators"
     speculators_model_type = "peagle"
@@ -143,7 +142,7 @@ class PEagleDrafter(Drafter):
                 cfg.mask_token_id, f"a token id in 0..{V - 1} (the target's vocabulary)")
         n_aux = len(layer_ids) * target_hidden_size
         self.embed_tokens = nn.Embedding(V, H).requires_grad_(False)  # the target's, frozen
-        self.mask_embedding = nn.Parameter(torch.zeros(H))  # row mask_token_id of embed_tokens, learned
+        self.add_mask_embedding(H)
         self.mask_hidden = nn.Parameter(torch.zeros(1, 1, n_aux))  # the features depths >= 1 read
         self.fc = nn.Linear(n_aux, H, bias=False)
         self.layers = nn.ModuleList([Eagle3DecoderLayer(layer_cfg, cfg.norm_before_residual)]
@@ -153,22 +152,19 @@ class PEagleDrafter(Drafter):
         self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
         self._rotary = None  # serving-time cos/sin table (rotary_table)
-        self.register_state_dict_post_hook(fold_mask_embedding)
-        self.register_load_state_dict_pre_hook(unfold_mask_embedding)
 
     @classmethod
     def from_target(cls, cfg: PEagleConfig, target: FrozenTarget, token_counts: torch.Tensor) -> "PEagleDrafter":
         """A drafter for `target`: its embeddings (frozen; the mask token's row starts as the target's),
         its lm_head rows of the draft vocab as a start."""
-        if cfg.mask_token_id is None:
-            cfg = replace(cfg, mask_token_id=least_frequent(token_counts))
+        cfg = with_mask_token(cfg, token_counts)
         layer_cfg = layer_config(target)
         layer_cfg.num_hidden_layers = cfg.num_layers
         drafter = cls(cfg, layer_cfg, target.layer_ids, target.hidden_size)
         drafter.d2t, drafter.t2d = draft_vocab.build(token_counts, cfg.draft_vocab_size)
         with torch.no_grad():
             drafter.embed_tokens.weight.copy_(target.embedding_weight().float())
-            drafter.mask_embedding.copy_(drafter.embed_tokens.weight[cfg.mask_token_id])
+            drafter.reset_mask_embedding()
             drafter.lm_head.weight.copy_(target.lm_head_weight()[drafter.draft_to_target].float())
         return drafter
 
@@ -192,11 +188,6 @@ class PEagleDrafter(Drafter):
     @property
     def target_hidden_size(self) -> int:
         return self.fc.in_features // len(self.layer_ids)
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The target's embeddings, with the learned mask embedding wherever mask_token_id stands."""
-        is_mask = (tokens == self.cfg.mask_token_id).unsqueeze(-1)
-        return torch.where(is_mask, self.mask_embedding, self.embed_tokens(tokens))
 
     def features(self, target_out: TargetOutput) -> torch.Tensor:
         """Hidden inputs of verified positions: the fused low/mid/high target features."""
@@ -315,22 +306,3 @@ def scatter(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def gather(dense: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B, heads, T, d] -> the rows where mask [B, T] is true, [heads, n, d]."""
     return dense.transpose(1, 2)[mask].transpose(0, 1)
-
-
-def least_frequent(token_counts: torch.Tensor) -> int:
-    """The default mask token: the least frequent id of the training data, the highest among ties."""
-    return len(token_counts) - 1 - int(torch.argmin(token_counts.flip(0)))
-
-
-def fold_mask_embedding(module: PEagleDrafter, state_dict: dict, prefix: str, _metadata) -> None:
-    """state_dict() post-hook: write the learned mask embedding into a copy of embed_tokens.weight."""
-    table = state_dict[prefix + "embed_tokens.weight"].detach().clone()
-    table[module.cfg.mask_token_id] = state_dict.pop(prefix + "mask_embedding").detach()
-    state_dict[prefix + "embed_tokens.weight"] = table
-
-
-def unfold_mask_embedding(module: PEagleDrafter, state_dict: dict, prefix: str, *_) -> None:
-    """load_state_dict() pre-hook: read the mask embedding back from its row."""
-    table = state_dict.get(prefix + "embed_tokens.weight")
-    if table is not None:
-        state_dict[prefix + "mask_embedding"] = table[module.cfg.mask_token_id]

@@ -299,6 +299,75 @@ def test_speculators_export_has_the_documented_keys_and_tensors_and_round_trips(
         export.save(drafter, tmp_path / "draft.gguf", Verifier("org/verifier", []), fmt="gguf")
 
 
+def test_original_dflash_export_has_the_authors_keys_and_tensors_and_round_trips(target, text_batch, tmp_path):
+    """The layout z-lab/dflash, SGLang and llama.cpp's converter read: Qwen3 keys, dflash_config with layer ids
+    one below ours, no embeddings, head or vocabulary maps (the target's), the mask embedding in its own file."""
+    drafter = make_dflash(target, text_batch, num_layers=2, draft_vocab_size=VOCAB_SIZE)  # a full vocabulary
+    with torch.no_grad():
+        drafter.fc.weight.normal_(std=0.1)
+    out_dir = export.save(drafter, tmp_path / "original", Verifier.of(target), fmt="dflash")
+
+    config = json.loads((out_dir / "config.json").read_text())
+    c, H = target.config, target.hidden_size
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["block_size"] == B and config["num_target_layers"] == c.num_hidden_layers
+    assert config["dflash_config"] == {"mask_token_id": drafter.cfg.mask_token_id,
+                                       "target_layer_ids": [k - 1 for k in LAYER_IDS]}
+    head_dim = getattr(c, "head_dim", None) or H // c.num_attention_heads
+    assert {k: config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                   "intermediate_size", "num_hidden_layers", "rms_norm_eps", "vocab_size",
+                                   "max_position_embeddings")} == {
+        "hidden_size": H, "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": head_dim, "intermediate_size": c.intermediate_size, "num_hidden_layers": 2,
+        "rms_norm_eps": pytest.approx(c.rms_norm_eps), "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": c.max_position_embeddings}
+    assert config["rope_theta"] == drafter.layer_cfg.rope_parameters["rope_theta"]
+    with safe_open(str(out_dir / "model.safetensors"), "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()
+                if name not in ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")}
+    assert shapes == expected and "fc.weight" in shapes and "hidden_norm.weight" in shapes
+    mask = torch.load(out_dir / "mask_embedding.pt", weights_only=True)
+    assert mask["mask_token_id"] == drafter.cfg.mask_token_id and torch.equal(mask["embedding"],
+                                                                               drafter.mask_embedding.detach())
+
+    loaded, verifier = export.load(out_dir)
+    assert verifier is None and loaded.left_to_target == ("embed_tokens.weight", "lm_head.weight")
+    export.share_target_embedding(loaded, target)
+    assert loaded.layer_ids == LAYER_IDS and loaded.cfg.block_size == B and not loaded.left_to_target
+    assert torch.equal(loaded.mask_embedding, drafter.mask_embedding)
+    original, again = drafter.state_dict(), loaded.state_dict()
+    assert all(torch.equal(again[n], t) for n, t in original.items())
+    prompt = text_batch[0, :12].tolist()
+    assert generate(target, loaded.eval(), prompt, 20, 3).tokens == generate(target, drafter.eval(), prompt, 20, 3).tokens
+    assert (generate(target, loaded, prompt, 20, 3).stats.num_accepted_tokens
+            == generate(target, drafter, prompt, 20, 3).stats.num_accepted_tokens)
+
+    (out_dir / "mask_embedding.pt").unlink()  # the authors' own exports: the mask token's row is the target's
+    plain, _ = export.load(out_dir)
+    export.share_target_embedding(plain, target)
+    assert torch.equal(plain.mask_embedding, target.embedding_weight()[drafter.cfg.mask_token_id].float())
+
+
+def test_original_dflash_export_bad_input_is_one_line(llama_target, text_batch, make_drafter, tmp_path):
+    drafter = make_dflash(llama_target, text_batch)
+    with pytest.raises(UserError, match="records the target's layer count.*org/verifier"):
+        export.save(drafter, tmp_path / "x", Verifier("org/verifier", []), fmt="dflash")
+    out_dir = export.save(drafter, tmp_path / "original", Verifier.of(llama_target), fmt="dflash")
+    torch.save({"mask_token_id": 7, "embedding": drafter.mask_embedding.detach()}, out_dir / "mask_embedding.pt")
+    with pytest.raises(UserError, match=f"mask_embedding.pt is for mask_token_id 7, config.json says "
+                                        f"{drafter.cfg.mask_token_id}"):
+        export.load(out_dir)
+    config = json.loads((out_dir / "config.json").read_text())
+    del config["dflash_config"]["target_layer_ids"]
+    (out_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="needs dflash_config.mask_token_id and dflash_config.target_layer_ids"):
+        export.load(out_dir)
+    with pytest.raises(UserError, match="the dflash format holds dflash drafters, not eagle3"):
+        export.save(make_drafter(llama_target), tmp_path / "y", Verifier.of(llama_target),
+                    fmt="dflash")
+
+
 # --- the recipe -----------------------------------------------------------------------------------
 
 
