@@ -42,10 +42,12 @@ class BatchSweepConfig(report.InferenceConfig):
 def sweep(target, drafter, prompts: list[evalsets.Prompt], cfg: BatchSweepConfig) -> dict:
     k = speculative_tokens(drafter, cfg.num_speculative_tokens)
     runs = {size: [] for size in cfg.batch_sizes}
-    for _ in range(cfg.repeats):
+    for repeat in range(cfg.repeats):
         for size in cfg.batch_sizes:
-            runs[size].append(report.measure(target, drafter, prompts, replace(cfg, batch_size=size,
-                                                                                num_speculative_tokens=k)))
+            measured = report.measure(target, drafter, prompts, replace(cfg, batch_size=size, num_speculative_tokens=k))
+            runs[size].append(measured)
+            print(f"repeat {repeat + 1}/{cfg.repeats}, batch size {size}: {measured['tokens_per_second']:.1f} tokens/s "
+                  f"speculative, {measured['baseline_tokens_per_second']:.1f} target-only", flush=True)
     rows = [row(size, measured) for size, measured in runs.items()]
     return {"rows": rows, "crossover_batch_size": crossover(rows),
             "num_prompts": len(prompts), "num_speculative_tokens": k, "config": asdict(cfg),
