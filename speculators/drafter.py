@@ -31,6 +31,14 @@ class Drafter(nn.Module):
         """(loss, metrics with acc_step{j} for every draft position j) of a batch, given the target's outputs."""
         raise NotImplementedError
 
+    @torch.no_grad()
+    def start_from_target(self, target: FrozenTarget, token_counts: torch.Tensor, draft_vocab_size: int) -> None:
+        """A draft vocabulary of the training tokens; the target's embeddings and its lm_head rows of that
+        vocabulary as the drafter's (families with `embed_tokens` and a draft-vocabulary `lm_head`)."""
+        self.d2t, self.t2d = draft_vocab.build(token_counts, draft_vocab_size)
+        self.embed_tokens.weight.copy_(target.embedding_weight().float())
+        self.lm_head.weight.copy_(target.lm_head_weight()[self.draft_to_target].float())
+
     @property
     def embedding_from_target(self) -> bool:
         """Loaded from an export without embed_tokens (the target's, not yet shared)."""

@@ -26,7 +26,6 @@ from transformers import LlamaConfig
 
 from kernels import distill_loss
 from kernels.distill import KINDS
-from speculators import draft_vocab
 from speculators.config import UserError, at_least, one_of, require
 from speculators.drafter import Drafter
 from speculators.layers import KVCache, RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
@@ -167,10 +166,7 @@ class Eagle3Drafter(Drafter):
             raise UserError("EAGLE-3 reads target features: target.layer_ids must name at least one layer "
                             "(null: the default [2, L//2, L-3])")
         drafter = cls(cfg, layer_config(target), target.layer_ids, target.hidden_size)
-        drafter.d2t, drafter.t2d = draft_vocab.build(token_counts, cfg.draft_vocab_size)
-        with torch.no_grad():
-            drafter.embed_tokens.weight.copy_(target.embedding_weight().float())
-            drafter.lm_head.weight.copy_(target.lm_head_weight()[drafter.draft_to_target].float())
+        drafter.start_from_target(target, token_counts, cfg.draft_vocab_size)
         return drafter
 
     @classmethod

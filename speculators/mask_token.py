@@ -13,6 +13,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from speculators.eagle3 import layer_config
+
 
 class MaskEmbedding:
     """Mixin for a drafter (an nn.Module) with `embed_tokens` and `cfg.mask_token_id`."""
@@ -26,6 +28,18 @@ class MaskEmbedding:
     def reset_mask_embedding(self) -> None:
         """Start from the mask token's row of embed_tokens (the target's)."""
         self.mask_embedding.copy_(self.embed_tokens.weight[self.cfg.mask_token_id])
+
+    @classmethod
+    def with_mask_token_from_target(cls, cfg, target, token_counts: torch.Tensor):
+        """A drafter of `cls` (its __init__ takes cfg, layer_cfg, layer_ids, target_hidden_size) for
+        `target`, started as speculators.drafter.Drafter.start_from_target, its mask row the target's."""
+        cfg = with_mask_token(cfg, token_counts)
+        layer_cfg = layer_config(target)
+        layer_cfg.num_hidden_layers = cfg.num_layers
+        drafter = cls(cfg, layer_cfg, target.layer_ids, target.hidden_size)
+        drafter.start_from_target(target, token_counts, cfg.draft_vocab_size)
+        drafter.reset_mask_embedding()
+        return drafter
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The target's embeddings, with the learned mask embedding wherever mask_token_id stands."""

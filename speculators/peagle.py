@@ -55,7 +55,6 @@ from transformers import LlamaConfig
 
 from kernels import distill_loss
 from kernels.distill import KINDS
-from speculators import draft_vocab
 from speculators.config import UserError, at_least, one_of, require
 from speculators.drafter import Drafter
 from speculators.eagle3 import (
@@ -63,12 +62,11 @@ from speculators.eagle3 import (
     Eagle3DecoderLayer,
     Eagle3Drafter,
     eagle_speculators_keys,
-    layer_config,
     shift_left,
     ttt_attention,
 )
 from speculators.layers import KVCache, RMSNorm, SwiGLU, rope_theta, rotary
-from speculators.mask_token import MaskEmbedding, with_mask_token
+from speculators.mask_token import MaskEmbedding
 from speculators.target import FrozenTarget, TargetOutput
 
 
@@ -157,16 +155,7 @@ class PEagleDrafter(MaskEmbedding, Drafter):
     def from_target(cls, cfg: PEagleConfig, target: FrozenTarget, token_counts: torch.Tensor) -> "PEagleDrafter":
         """A drafter for `target`: its embeddings (frozen; the mask token's row starts as the target's),
         its lm_head rows of the draft vocab as a start."""
-        cfg = with_mask_token(cfg, token_counts)
-        layer_cfg = layer_config(target)
-        layer_cfg.num_hidden_layers = cfg.num_layers
-        drafter = cls(cfg, layer_cfg, target.layer_ids, target.hidden_size)
-        drafter.d2t, drafter.t2d = draft_vocab.build(token_counts, cfg.draft_vocab_size)
-        with torch.no_grad():
-            drafter.embed_tokens.weight.copy_(target.embedding_weight().float())
-            drafter.reset_mask_embedding()
-            drafter.lm_head.weight.copy_(target.lm_head_weight()[drafter.draft_to_target].float())
-        return drafter
+        return cls.with_mask_token_from_target(cfg, target, token_counts)
 
     @classmethod
     def from_speculators_config(cls, config: dict, layer_cfg: LlamaConfig) -> "PEagleDrafter":
