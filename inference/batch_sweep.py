@@ -108,9 +108,11 @@ def plot(result: dict, path: Path) -> None:
         for key, label in (("baseline_tokens_per_second", "target-only"), ("tokens_per_second", "speculative")):
             left.plot(sizes, [r[key] for r in result["rows"]], marker="o", label=label)
         left.set(ylabel="tokens/s (all prompts)")
-        for key, label in (("baseline_token_latency_ms", "target-only"), ("token_latency_ms", "speculative")):
-            right.plot(sizes, [r[key]["p50"] for r in result["rows"]], marker="o", label=f"{label} p50")
-            right.plot(sizes, [r[key]["p99"] for r in result["rows"]], marker="x", linestyle="--", label=f"{label} p99")
+        for key, label, color in (("baseline_token_latency_ms", "target-only", "tab:blue"),
+                                  ("token_latency_ms", "speculative", "tab:orange")):
+            right.plot(sizes, [r[key]["p50"] for r in result["rows"]], marker="o", color=color, label=f"{label} p50")
+            right.plot(sizes, [r[key]["p99"] for r in result["rows"]], marker="x", linestyle="--", color=color,
+                       label=f"{label} p99")
         right.set(ylabel="per-token latency (ms)")
         for ax in (left, right):
             ax.set(xscale="log", xlabel="batch size", xticks=sizes, xticklabels=sizes)
