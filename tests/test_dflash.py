@@ -12,9 +12,7 @@ import torch.nn.functional as F
 from conftest import DRAFT_VOCAB, LAYER_IDS, VOCAB_SIZE
 from safetensors import safe_open
 from test_cli import run_train
-from test_peagle import teach_target_continuation
 
-from inference.drafting import ParallelProposer
 from inference.engine import generate
 from speculators import draft_vocab, export
 from speculators.config import UserError
@@ -211,37 +209,6 @@ def test_served_drafts_equal_the_training_block_at_the_anchor(target, text_batch
     torch.testing.assert_close(served, trained[1, 1:3], rtol=1e-5, atol=1e-5)
     with pytest.raises(UserError, match=f"drafts at most {B - 1}"):
         drafter.draft(cache, ids[:, 23:24], features[:, 22:23], B)
-
-
-@pytest.mark.parametrize("k", [1, B - 1])
-def test_engine_greedy_output_is_the_targets(target, text_batch, k):
-    prompts = [text_batch[0, :12].tolist(), text_batch[1, 7:22].tolist()]
-    random = make_dflash(target, text_batch).eval()
-    taught = make_dflash(target, text_batch)
-    teach_target_continuation(target, taught, prompts[0])
-    accepted = 0
-    for drafter in (random, taught):
-        for prompt in prompts:
-            alone = generate(target, None, prompt, 40, 0)
-            spec = generate(target, drafter, prompt, 40, k)
-            assert spec.tokens == alone.tokens
-            assert spec.stats.num_draft_tokens == k * spec.stats.num_drafts
-            accepted += spec.stats.num_accepted_tokens
-    assert accepted > 0  # the accept path (several tokens per verification) ran
-
-
-def test_sampled_drafts_carry_their_distributions(llama_target, text_batch):
-    drafter = make_dflash(llama_target, text_batch).eval()
-    prompt = text_batch[0, :12].tolist()
-    proposer = ParallelProposer(drafter, B - 1, VOCAB_SIZE, 64, None)
-    proposer.prefill(prompt, 7, llama_target(torch.tensor([prompt])))
-    draft = proposer.propose(1.0, torch.Generator().manual_seed(0))
-    assert draft.is_chain and len(draft.tokens) == B - 1 and draft.probs.shape == (B - 1, VOCAB_SIZE)
-    torch.testing.assert_close(draft.probs.sum(-1), torch.ones(B - 1))
-    assert (draft.probs[:, ~drafter.t2d] == 0).all()
-    assert proposer.cache.length == len(prompt)  # the context only: the block is never cached
-    sampled = generate(llama_target, drafter, prompt, 30, B - 1, temperature=1.0, seed=1)
-    assert 0 < len(sampled.tokens) <= 30
 
 
 # --- export ---------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from conftest import DRAFT_VOCAB, LAYER_IDS, VOCAB_SIZE
 from safetensors import safe_open
 from test_cli import run_train
 
-from inference.drafting import ParallelProposer
 from inference.engine import generate
 from speculators import draft_vocab, export
 from speculators.config import UserError
@@ -330,38 +329,6 @@ def teach_target_continuation(target, drafter, prompt: list[int], steps: int = 6
         loss.backward()
         opt.step()
     drafter.eval()
-
-
-@pytest.mark.parametrize("k", [1, K])
-def test_engine_greedy_output_is_the_targets(target, text_batch, k):
-    prompts = [text_batch[0, :12].tolist(), text_batch[1, 7:22].tolist()]
-    random = make_peagle(target, text_batch).eval()
-    taught = make_peagle(target, text_batch)
-    teach_target_continuation(target, taught, prompts[0])
-    accepted = 0
-    for drafter in (random, taught):
-        for prompt in prompts:
-            alone = generate(target, None, prompt, 40, 0)
-            spec = generate(target, drafter, prompt, 40, k)
-            assert spec.tokens == alone.tokens
-            assert spec.stats.num_draft_tokens == k * spec.stats.num_drafts
-            accepted += spec.stats.num_accepted_tokens
-    assert accepted > 0  # the accept path (several tokens per verification) ran
-
-
-def test_sampled_drafts_carry_their_distributions(llama_target, text_batch):
-    drafter = make_peagle(llama_target, text_batch).eval()
-    prompt = text_batch[0, :12].tolist()
-    proposer = ParallelProposer(drafter, K, VOCAB_SIZE, 64, None)
-    proposer.prefill(prompt, 7, llama_target(torch.tensor([prompt])))
-    draft = proposer.propose(1.0, torch.Generator().manual_seed(0))
-    assert draft.is_chain and len(draft.tokens) == K and draft.probs.shape == (K, VOCAB_SIZE)
-    torch.testing.assert_close(draft.probs.sum(-1), torch.ones(K))
-    assert (draft.probs[:, ~drafter.t2d] == 0).all()
-    assert all(draft.probs[i, token] > 0 for i, token in enumerate(draft.tokens))
-    assert proposer.cache.length == len(prompt)  # prompt[1:] + the first token; the drafts were cropped
-    sampled = generate(llama_target, drafter, prompt, 30, K, temperature=1.0, seed=1)
-    assert 0 < len(sampled.tokens) <= 30
 
 
 # --- export ---------------------------------------------------------------------------------------
