@@ -61,11 +61,11 @@ from speculators.config import (
     to_dataclass,
 )
 from speculators.quant import QUANT_SCHEMES, QuantConfig, weight_bytes
-from speculators.self_draft import SelfDrafter, check_lower_precision
+from speculators.self_draft import SELF_DRAFT_TOKENS, SelfDrafter, check_lower_precision
+from speculators.self_draft import SELF_PREFIX as SELF  # drafter key of a self-drafting copy: self:<scheme>
 from speculators.target import FrozenTarget, TargetConfig
 
 FULL = "fp"  # the full-precision target, and the drafter trained against it
-SELF = "self:"  # drafter key prefix of a self-drafting copy: self:<scheme>
 STEPS = {"baseline": "baseline", "quantization_only": "quantization only", "speculation_only": "speculation only",
          "both": "both"}
 
@@ -84,7 +84,7 @@ class QuantReportConfig:
     cpu_matmul: str = "kernel"  # kernel | dequantize | packed, as speculators.quant.QuantConfig
     eval: EvalConfig = field(default_factory=EvalConfig)  # the prompts: eval=stdlib | mtbench | sharegpt | file
     self_drafts: dict[str, str] | None = None  # target scheme (none: full precision) -> the scheme of its drafting copy
-    self_draft_tokens: int = 5  # K of the self-drafting copies (they have no trained depth)
+    self_draft_tokens: int = SELF_DRAFT_TOKENS  # K of the self-drafting copies (they have no trained depth)
     max_new_tokens: int = 64
     num_speculative_tokens: int | None = None  # K for every drafter; None: each drafter's own
     drafting: DraftingConfig = field(default_factory=DraftingConfig)

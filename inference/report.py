@@ -21,6 +21,7 @@ from inference.evalsets import EvalConfig, Prompt
 from kernels.provenance import git_revision, machine
 from speculators.config import UserError, at_least, register_group, require
 from speculators.quant import QuantConfig
+from speculators.self_draft import SELF_DRAFT_TOKENS, SELF_PREFIX, SelfDrafter, check_lower_precision
 from speculators.tracking import LoggerConfig, wandb_mode
 
 register_group("quant")  # conf/quant/ of the training recipes: `python -m inference quant=int4` serves it
@@ -57,10 +58,13 @@ class InferenceConfig:
 
 
 def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
-    """(drafter, target) from an export; the target is the verifier its config names unless given."""
+    """(drafter, target) from an export; the target is the verifier its config names unless given.
+    drafter=self:<scheme>: the target's own copy quantized with <scheme> drafts (speculators/self_draft.py)."""
     from speculators import export
     from speculators.target import FrozenTarget, TargetConfig
 
+    if drafter_path.startswith(SELF_PREFIX):
+        return load_self_pair(drafter_path.removeprefix(SELF_PREFIX), target_path, quant or QuantConfig())
     drafter, verifier = export.load(Path(drafter_path))
     if not (target_path or verifier):
         raise UserError(f"{drafter_path} does not name its target (original EAGLE-3 format); pass target=<path or hub id>")
@@ -69,6 +73,18 @@ def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
     check_trained_for(drafter_path, target)
     export.share_target_embedding(drafter, target)
     return drafter.eval(), target
+
+
+def load_self_pair(scheme: str, target_path: str | None, quant: QuantConfig):
+    """(the target's copy quantized with `scheme` as drafter, the target served with `quant`)."""
+    from speculators.target import FrozenTarget, TargetConfig
+
+    if target_path is None:
+        raise UserError(f"drafter={SELF_PREFIX}{scheme} drafts with a copy of the target: name it with target=<path or .gguf>")
+    target_cfg = TargetConfig.named(target_path, layer_ids=[])
+    check_lower_precision(QuantConfig(scheme).scheme, quant.scheme)  # before either loads
+    copy = FrozenTarget.load(target_cfg, QuantConfig(scheme))
+    return SelfDrafter(copy, scheme, SELF_DRAFT_TOKENS), FrozenTarget.load(target_cfg, quant)
 
 
 def check_trained_for(drafter_path: str, target) -> None:

@@ -7,6 +7,9 @@ It pays when a pass of the copy is cheap beside a pass of the target and their n
 from speculators.config import require
 from speculators.target import FrozenTarget
 
+SELF_PREFIX = "self:"  # drafter=self:<scheme> names a self-drafting copy where a drafter export goes
+SELF_DRAFT_TOKENS = 5  # K unless told otherwise: a copy has no trained depth
+
 # Bits per weight of each scheme's quantized layers: a drafting copy must have fewer than its target.
 # gguf: the 4-bit files this project serves (Q4_0 / Q4_1 layers).
 WEIGHT_BITS = {"none": 32, "int8": 8, "fp8": 8, "w8a8": 8, "int4": 4, "gptq_int4": 4, "gguf": 4, "mxfp4": 4,

@@ -7,6 +7,7 @@ import torch
 from conftest import LAYER_IDS
 from test_engine import ALPHA, MAX_NEW, check_stats, chi2_sf, chi_square, prompts_of, tiny_target
 
+from inference import evalsets
 from inference.engine import check_pair, generate, generate_batch
 from speculators.config import UserError
 from speculators.quant import QuantConfig
@@ -81,3 +82,18 @@ def test_a_copy_of_another_target_is_refused(llama_target):
 def test_batches_say_they_are_not_served_yet(llama_target, text_batch):
     with pytest.raises(UserError, match="not served for a SelfDrafter yet; use batch_size=1"):
         generate_batch(llama_target, SelfDrafter(llama_target, "int8", 3), prompts_of(text_batch), 8, k=3)
+
+
+def test_every_inference_command_serves_drafter_self(llama_dir, text_batch):
+    from inference import report
+
+    copy, target = report.load_pair("self:int8", str(llama_dir))
+    assert isinstance(copy, SelfDrafter) and copy.scheme == "int8" and copy.num_speculative_tokens == 5
+    prompts = evalsets.prompts_of([[text] for text in ("import os\n", "def f(x):\n")], None, target, 12)
+    measured = report.measure(target, copy, prompts, report.InferenceConfig(drafter="self:int8", max_new_tokens=12))
+    assert measured["outputs_match_baseline"] and measured["acceptance_length"] > 2
+    for drafter, target_path, quant, message in (
+            ("self:int8", None, QuantConfig(), "^drafter=self:int8 drafts with a copy of the target: name it"),
+            ("self:int8", str(llama_dir), QuantConfig("int4"), "self-drafting scheme='int8' is not valid")):
+        with pytest.raises(UserError, match=message):
+            report.load_pair(drafter, target_path, quant)
