@@ -82,10 +82,9 @@ def draft_distribution(to_target: torch.Tensor, vocab_size: int, draft_logits: t
     return q
 
 
-class ChainProposer:
-    """EAGLE-1/3 chains: K drafter steps, each feeding its output hidden state to the next.
-    Drafter cache position t holds (token t+1, features of position t); the drafted steps
-    are appended and then cropped, so the cache only ever keeps verified positions."""
+class DrafterCacheProposer:
+    """A trained drafter with a cache of its own over the verified positions; the prefill reads the
+    prompt's target features, position t with token t+1 (the first emitted token last)."""
 
     def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
         self.drafter, self.k, self.vocab_size = drafter, k, vocab_size
@@ -94,6 +93,12 @@ class ChainProposer:
 
     def prefill(self, prompt: list[int], token: int, target_out: TargetOutput) -> None:
         self.accept(prompt[1:] + [token], target_out)
+
+
+class ChainProposer(DrafterCacheProposer):
+    """EAGLE-1/3 chains: K drafter steps, each feeding its output hidden state to the next.
+    Drafter cache position t holds (token t+1, features of position t); the drafted steps
+    are appended and then cropped, so the cache only ever keeps verified positions."""
 
     def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
         self.logits, self.hidden = self.drafter.step(self.cache, torch.tensor([new_tokens]),
@@ -215,21 +220,13 @@ def make_proposer(drafter, k: int, vocab_size: int, max_len: int, drafting: Draf
     return PROPOSERS[kind, drafting.mode](drafter, k, vocab_size, max_len, drafting)
 
 
-class ParallelProposer:
+class ParallelProposer(DrafterCacheProposer):
     """P-EAGLE (speculators.peagle): one drafter pass per draft. `accept` only records the
     verified positions; `propose` appends them to the drafter's caches and, in the same pass,
     reads the k drafts off the last verified position and k-1 mask positions after it (the
     drafter crops those again). The drafts do not condition on each other, so a chain's
     tokens come from k independent distributions: argmax each (greedy), or sample each from
     q in the target vocabulary (rejection sampling stays lossless for any q)."""
-
-    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
-        self.drafter, self.k, self.vocab_size = drafter, k, vocab_size
-        self.to_target = drafter.draft_to_target  # draft id -> target id, once per generation
-        self.cache = drafter.new_cache(1, max_len)
-
-    def prefill(self, prompt: list[int], token: int, target_out: TargetOutput) -> None:
-        self.accept(prompt[1:] + [token], target_out)
 
     def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
         self.verified = torch.tensor([new_tokens]), self.drafter.features(target_out)
