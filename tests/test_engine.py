@@ -360,13 +360,16 @@ def test_generate_samples_the_target_distribution_end_to_end():
     verification (accepted draft 0, or the resample after rejecting it); x2 by the first
     verification (draft 1 accepted, or the resample/bonus after it) or, after a rejection at
     draft 0, by the second one, after both caches were rolled back."""
-    V, k, runs = 8, 3, 2000
-    target = tiny_target(V)
+    target = tiny_target(8)
     torch.manual_seed(2)
-    counts = torch.arange(V, 0, -1)  # draft vocabulary: target tokens 0..5; 6 and 7 only via the residual
-    drafter = Eagle3Drafter.from_target(Eagle3Config(draft_vocab_size=6), target, counts)
-    prompt = [1, 5, 2, 7]
+    counts = torch.arange(8, 0, -1)  # draft vocabulary: target tokens 0..5; 6 and 7 only via the residual
+    check_two_token_law(target, Eagle3Drafter.from_target(Eagle3Config(draft_vocab_size=6), target, counts))
 
+
+def check_two_token_law(target: FrozenTarget, drafter, k: int = 3, runs: int = 2000) -> None:
+    """Sampled speculative decoding of (x1, x2) after a fixed prompt, over `runs` seeds, passes a
+    chi-square test against the target's joint law, with drafts both accepted and rejected often."""
+    V, prompt = target.vocab_size, [1, 5, 2, 7]
     seen = torch.zeros(V, V)
     accepted = drafts = 0
     for seed in range(runs):

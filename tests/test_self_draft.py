@@ -3,9 +3,8 @@ target's own copy drafts; greedy output and sampled law stay the target's; the c
 the verified sequence; a copy no cheaper than its target, or of another target, is refused."""
 
 import pytest
-import torch
 from conftest import LAYER_IDS
-from test_engine import ALPHA, MAX_NEW, check_stats, chi2_sf, chi_square, prompts_of, tiny_target
+from test_engine import MAX_NEW, check_stats, check_two_token_law, prompts_of, tiny_target
 
 from inference import evalsets
 from inference.engine import check_pair, generate, generate_batch
@@ -40,30 +39,9 @@ def test_an_int8_copy_is_lossless_and_accepted_often(llama_target, llama_dir, te
 
 
 def test_sampling_with_another_model_as_copy_keeps_the_target_law():
-    """Tokens x1, x2 after the prefill's token over many seeds, against the target's joint law, when the
-    drafting copy is a different model (so drafts are rejected and resampled often)."""
-    V, k, runs = 8, 3, 2000
-    target, other = tiny_target(V), tiny_target(V, seed=5)
-    copy = SelfDrafter(other, "int8", k)
-    prompt = [1, 5, 2, 7]
-    seen = torch.zeros(V, V)
-    accepted = drafts = 0
-    for seed in range(runs):
-        g = generate(target, copy, prompt, 3, k=k, temperature=1.0, seed=seed)
-        seen[g.tokens[1], g.tokens[2]] += 1
-        accepted, drafts = accepted + g.stats.num_accepted_tokens, drafts + g.stats.num_drafts
-    assert 0.2 < accepted / drafts < 0.8 * k
-
-    def next_law(prefixes: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(target(prefixes).logits[:, -1].double(), -1)
-
-    p0 = next_law(torch.tensor([prompt]))[0]
-    p1 = next_law(torch.cat([torch.tensor([prompt] * V), torch.arange(V)[:, None]], 1))
-    pairs = torch.cartesian_prod(torch.arange(V), torch.arange(V))
-    p2 = next_law(torch.cat([torch.tensor([prompt] * V * V), pairs], 1))
-    joint = (p0[:, None, None] * p1[:, :, None] * p2.view(V, V, V)).sum(0)
-    stat, df = chi_square(seen, joint)
-    assert chi2_sf(stat, df) > ALPHA, (stat, df)
+    """The target's law of two sampled tokens when the drafting copy is a different model (so drafts
+    are rejected and resampled often)."""
+    check_two_token_law(tiny_target(8), SelfDrafter(tiny_target(8, seed=5), "int8", 3))
 
 
 @pytest.mark.parametrize("copy, target", [("int8", "int4"), ("gguf", "int4"), ("int8", "fp8"), ("none", "none")])
