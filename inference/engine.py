@@ -29,7 +29,6 @@ import kernels
 from inference.drafting import Draft, DraftingConfig, make_batch_proposer, make_proposer
 from inference.sessions import open_session
 from speculators.config import UserError
-from speculators.self_draft import SelfDrafter
 from speculators.target import FrozenTarget, TargetOutput
 
 
@@ -116,23 +115,9 @@ def verify_sampling(drafts: list[int], draft_probs: torch.Tensor, target_logits:
 
 def check_pair(target: FrozenTarget, drafter) -> None:
     """Refuse a drafter built for another target before generating anything."""
-    problems = drafter.check(target) if isinstance(drafter, SelfDrafter) else trained_drafter_problems(target, drafter)
+    problems = drafter.check(target)
     if problems:
         raise UserError("drafter does not fit the target: " + "; ".join(problems))
-
-
-def trained_drafter_problems(target: FrozenTarget, drafter) -> list[str]:
-    hidden = drafter.target_hidden_size
-    problems = []
-    if hidden != target.hidden_size:
-        problems.append(f"hidden size {hidden} (drafter) vs {target.hidden_size} (target)")
-    if len(drafter.t2d) != target.vocab_size:
-        problems.append(f"vocabulary size {len(drafter.t2d)} (drafter) vs {target.vocab_size} (target)")
-    if len(drafter.d2t) != drafter.lm_head.out_features:
-        problems.append(f"d2t length {len(drafter.d2t)} vs the drafter's {drafter.lm_head.out_features} draft tokens")
-    if max(drafter.layer_ids or [0]) >= target.num_layers:
-        problems.append(f"feature layer ids {drafter.layer_ids} (drafter) vs a target of {target.num_layers} layers")
-    return problems
 
 
 @torch.no_grad()

@@ -31,6 +31,19 @@ class Drafter(nn.Module):
         """(loss, metrics with acc_step{j} for every draft position j) of a batch, given the target's outputs."""
         raise NotImplementedError
 
+    def check(self, target: FrozenTarget) -> list[str]:
+        """What keeps this drafter from serving `target` (inference/engine.py check_pair)."""
+        problems = []
+        if self.target_hidden_size != target.hidden_size:
+            problems.append(f"hidden size {self.target_hidden_size} (drafter) vs {target.hidden_size} (target)")
+        if len(self.t2d) != target.vocab_size:
+            problems.append(f"vocabulary size {len(self.t2d)} (drafter) vs {target.vocab_size} (target)")
+        if len(self.d2t) != self.lm_head.out_features:
+            problems.append(f"d2t length {len(self.d2t)} vs the drafter's {self.lm_head.out_features} draft tokens")
+        if max(self.layer_ids or [0]) >= target.num_layers:
+            problems.append(f"feature layer ids {self.layer_ids} (drafter) vs a target of {target.num_layers} layers")
+        return problems
+
     @torch.no_grad()
     def start_from_target(self, target: FrozenTarget, token_counts: torch.Tensor, draft_vocab_size: int) -> None:
         """A draft vocabulary of the training tokens; the target's embeddings and its lm_head rows of that

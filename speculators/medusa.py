@@ -137,7 +137,7 @@ class MedusaDrafter(Drafter):
 
     @property
     def lm_head(self) -> nn.Linear:
-        """Head 1's vocabulary projection; every head's has this shape (what engine.check_pair reads)."""
+        """Head 1's vocabulary projection; every head's has this shape (what Drafter.check reads)."""
         return self.heads[0][-1]
 
     def training_loss(self, target_out: TargetOutput, input_ids: torch.Tensor, loss_mask: torch.Tensor):
