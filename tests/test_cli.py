@@ -27,13 +27,14 @@ def run_train(args, cwd: Path, timeout: int):
 def test_train_eagle3_end_to_end(llama_dir, tmp_path):
     run_dir = tmp_path / "run"
     layer_ids = "[" + ",".join(map(str, LAYER_IDS)) + "]"
-    result = run_train([
+    args = [
         "conf=eagle3", "trainer.max_steps=3", "logger=none", f"hydra.run.dir={run_dir}",
         f"target.name_or_path={llama_dir}", f"target.layer_ids={layer_ids}", f"drafter.draft_vocab_size={DRAFT}",
         "drafter.num_speculative_tokens=3", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
         "trainer.val_every_n_steps=3", "trainer.checkpoint_every_n_steps=3", "trainer.num_threads=1",
         "trainer.log_every_n_steps=2",  # the default progress_bar=true, but output goes to a pipe: lines, no bar
-    ], cwd=tmp_path, timeout=900)
+    ]
+    result = run_train(args, cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"^step 2/3  .*train/loss \d+\.\d{4}.*  \d+\.\d\d s/step  \d+ min left$", result.stdout, re.M)
     assert re.search(r"^validation at step 3: .*val/loss \d+\.\d{4}", result.stdout, re.M)
@@ -66,6 +67,25 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 3
     assert ckpt["state_dict"] and all(k.startswith("drafter.") for k in ckpt["state_dict"])
+
+    # init_from: a new run starts from the export's weights and draft vocabulary and counts its budget.
+    common = [arg for arg in args if not arg.startswith(("hydra.run.dir", "trainer.max_steps", "trainer.val_every",
+                                                          "trainer.checkpoint_every"))]
+    continued = tmp_path / "continued"
+    result = run_train([*common, f"init_from={export_dir}", "trainer.max_steps=1", "optim.lr=1e-12",
+                        "optim.warmup_steps=0", f"hydra.run.dir={continued}"], cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    training = json.loads((continued / "export" / "training.json").read_text())
+    assert training["steps"] == 4 and training["tokens_seen"] == 4 * 2 * 64
+    assert training["init_from"] == {"path": str(export_dir), "steps": 3, "tokens_seen": 3 * 2 * 64}
+    with safe_open(str(export_dir / "model.safetensors"), "pt") as first, \
+            safe_open(str(continued / "export" / "model.safetensors"), "pt") as second:
+        for name in ("d2t", "fc.weight", "lm_head.weight"):
+            torch.testing.assert_close(second.get_tensor(name), first.get_tensor(name), rtol=0, atol=1e-6)
+
+    other_vocab = run_train([*common, f"init_from={export_dir}", f"drafter.draft_vocab_size={DRAFT // 2}",
+                             f"hydra.run.dir={tmp_path / 'refused'}"], cwd=tmp_path, timeout=900)
+    assert "init_from=" in assert_one_line_error(other_vocab)
 
 
 def assert_one_line_error(result):

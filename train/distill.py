@@ -5,7 +5,7 @@ from pathlib import Path
 
 from inference import evalsets, report
 from speculators import draft_vocab, export
-from speculators.config import require, to_dataclass
+from speculators.config import UserError, require, to_dataclass
 from speculators.families import family
 from speculators.target import FrozenTarget
 from train.callbacks import ServeEvalCallback
@@ -33,6 +33,8 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     # The draft vocabulary is what the loss trains on: assistant/completion tokens, not prompts.
     counts = draft_vocab.count_tokens(datamodule.train_rows, datamodule.train_mask, target.vocab_size)
     drafter = drafter_class.from_target(drafter_cfg, target, counts)
+    if recipe.init_from:
+        continue_from(drafter, recipe.init_from, target)
     module = DrafterModule(drafter, target, recipe.optim, recipe.trainer.max_steps)
 
     config = asdict(recipe) | {"drafter": asdict(drafter_cfg)}
@@ -59,13 +61,33 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     print(f"\nexport: {export_dir}\nacceptance report: {report_path}")
 
 
+def continue_from(drafter, path: str, target: FrozenTarget) -> None:
+    """Start from an export's weights, its draft vocabulary included (init_from=): more training on new data."""
+    saved, _ = export.load(Path(path))
+    report.check_trained_for(path, target)
+    export.share_target_embedding(saved, target)
+    if type(saved) is not type(drafter):
+        raise UserError(f"init_from={path} is a {type(saved).__name__}; drafter.family builds a {type(drafter).__name__}")
+    try:
+        drafter.load_state_dict(saved.state_dict())
+    except RuntimeError as e:
+        shapes = [line.strip() for line in str(e).splitlines()[1:] if "size mismatch" in line]
+        raise UserError(f"init_from={path}: its shapes differ from drafter.* ({'; '.join(shapes) or e})") from None
+
+
 def training_record(recipe: DrafterRecipe, trainer, target: FrozenTarget) -> dict:
-    """What the drafter was trained on, so comparisons can state their budgets."""
+    """What the drafter was trained on, so comparisons can state their budgets; a run that continued
+    another export (init_from) counts that export's steps and tokens too."""
     sequences = recipe.data.batch_size * recipe.trainer.accumulate_grad_batches * trainer.world_size
-    return {"family": recipe.drafter.get("family"), "steps": trainer.global_step,
-            "tokens_seen": trainer.global_step * sequences * recipe.data.seq_len,
-            "target": recipe.target.name, "target_fingerprint": target.fingerprint(), "quant": asdict(recipe.quant),
-            "seed": recipe.seed}
+    earlier = (export.training_record(Path(recipe.init_from)) or {}) if recipe.init_from else {}
+    record = {"family": recipe.drafter.get("family"), "steps": trainer.global_step + earlier.get("steps", 0),
+              "tokens_seen": trainer.global_step * sequences * recipe.data.seq_len + earlier.get("tokens_seen", 0),
+              "target": recipe.target.name, "target_fingerprint": target.fingerprint(), "quant": asdict(recipe.quant),
+              "seed": recipe.seed}
+    if recipe.init_from:
+        record["init_from"] = {"path": recipe.init_from, "steps": earlier.get("steps"),
+                               "tokens_seen": earlier.get("tokens_seen")}
+    return record
 
 
 def eval_prompts(recipe: DrafterRecipe, target, test, turns: int | None = None) -> list[evalsets.Prompt]:

@@ -109,6 +109,7 @@ class RunKeys:
     recipe: str
     seed: int
     resume: str | None
+    init_from: str | None  # a saved result (pretrain: a target folder; drafter: an export) whose weights this run continues
     overwrite: bool  # replace the run's result (export/, model/) if the run directory already has one
 
     def __post_init__(self):
@@ -118,7 +119,6 @@ class RunKeys:
 
 @dataclass
 class PretrainRecipe(RunKeys):
-    init_from: str | None  # a saved target (its folder) whose weights and tokenizer this run continues training
     data: DataConfig
     trainer: TrainerConfig
     logger: LoggerConfig
