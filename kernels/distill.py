@@ -33,6 +33,9 @@ Three implementations of soft_ce and kl:
 `distill_loss` picks Triton or the chunked path by `kernels.use_triton`.
 """
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -119,26 +122,48 @@ def acceptance_loss(log_q: torch.Tensor, log_p: torch.Tensor, kind: str) -> torc
     return w * kl + (1 - w) * (1 - alpha)
 
 
-# --- chunked torch path ----------------------------------------------------------------------
+# --- the fused paths: chunked torch and Triton ------------------------------------------------
 
 
 def distill_loss_chunked(draft_logits, target_logits, draft_to_target, mask, *, kind: str, shift: int = 0,
                          chunk: int | None = None):
     """The CPU path: `chunk` positions at a time (default CHUNK_ELEMENTS // D)."""
+    chunk = chunk or max(1, CHUNK_ELEMENTS // max(draft_logits.shape[-1], 1))
+    return fused_loss(CHUNKED, chunk, draft_logits, target_logits, draft_to_target, mask, kind, shift)
+
+
+def distill_loss_triton(draft_logits, target_logits, draft_to_target, mask, *, kind: str, shift: int = 0,
+                        block: int = BLOCK):
+    """The Triton kernels; `block` draft-vocab columns per step (a power of two)."""
+    return fused_loss(TRITON, block, draft_logits, target_logits, draft_to_target, mask, kind, shift)
+
+
+def fused_loss(path, tile: int, draft_logits, target_logits, draft_to_target, mask, kind: str, shift: int):
     check_inputs(draft_logits, target_logits, draft_to_target, mask, kind, shift)
     if kind not in FUSED:
         raise ValueError(f"kind={kind!r} has no fused path; distill_loss runs it through the reference")
-    chunk = chunk or max(1, CHUNK_ELEMENTS // max(draft_logits.shape[-1], 1))
-    z, t, m = as_batched(draft_logits, target_logits, mask)
-    loss = _Chunked.apply(z, t, draft_to_target, m, kind == "kl", shift, chunk)
-    return loss.view(mask.shape)
+    z, t, m = (draft_logits[None], target_logits[None], mask[None]) if mask.dim() == 1 else (draft_logits, target_logits, mask)
+    return _Fused.apply(z, t, draft_to_target, m, kind == "kl", shift, tile, path).view(mask.shape)
 
 
-def as_batched(draft_logits, target_logits, mask):
-    """[T, ...] inputs as [1, T, ...] views."""
-    if draft_logits.dim() == 2:
-        return draft_logits[None], target_logits[None], mask[None]
-    return draft_logits, target_logits, mask
+class _Fused(torch.autograd.Function):
+    """Forward keeps lse(z) and lse(t) per position; backward recomputes q - p from them. `path`
+    (CHUNKED or TRITON) does the arithmetic of both."""
+
+    @staticmethod
+    def forward(ctx, z, t, d2t, mask, kl: bool, shift: int, tile: int, path):
+        loss, lse_z, lse_t = (z.new_zeros(z.shape[:2], dtype=torch.float32) for _ in range(3))
+        path.forward(z, t, d2t, mask, kl, shift, tile, loss, lse_z, lse_t)
+        ctx.save_for_backward(z, t, d2t, mask, lse_z, lse_t)
+        ctx.shift, ctx.tile, ctx.path = shift, tile, path
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        z, t, d2t, mask, lse_z, lse_t = ctx.saved_tensors
+        grad_z = torch.zeros_like(z)
+        ctx.path.backward(z, t, d2t, mask, lse_z, lse_t, grad_loss, ctx.shift, ctx.tile, grad_z)
+        return grad_z, None, None, None, None, None, None, None
 
 
 def chunks(B: int, n: int, chunk: int):
@@ -146,79 +171,51 @@ def chunks(B: int, n: int, chunk: int):
     return [(b, s, min(s + chunk, n)) for b in range(B) for s in range(0, n, chunk)]
 
 
-class _Chunked(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z, t, d2t, mask, kl: bool, shift: int, chunk: int):
-        B, T, _ = z.shape
-        n = max(T - shift, 0)
-        loss, lse_z, lse_t = (z.new_zeros(B, T, dtype=torch.float32) for _ in range(3))
-        for b, s, e in chunks(B, n, chunk):
-            zc = z[b, s:e].float()
-            tc = t[b, s + shift:e + shift].index_select(-1, d2t).float()
-            lz, lt = zc.logsumexp(-1), tc.logsumexp(-1)
-            p = (tc - lt[:, None]).exp()
-            x = tc.sub_(zc) if kl else zc  # tc is our own copy: index_select copied it
-            mean = (p * x).sum(-1)  # sum_j p_j x_j
-            loss[b, s:e] = torch.where(mask[b, s:e], (mean - lt + lz) if kl else (lz - mean), 0.0)
-            lse_z[b, s:e], lse_t[b, s:e] = lz, lt
-        ctx.save_for_backward(z, t, d2t, mask, lse_z, lse_t)
-        ctx.shift, ctx.chunk = shift, chunk
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        z, t, d2t, mask, lse_z, lse_t = ctx.saved_tensors
-        B, T, _ = z.shape
-        grad_z = torch.zeros_like(z)
-        for b, s, e in chunks(B, max(T - ctx.shift, 0), ctx.chunk):
-            q = (z[b, s:e].float() - lse_z[b, s:e, None]).exp_()
-            p = (t[b, s + ctx.shift:e + ctx.shift].index_select(-1, d2t).float() - lse_t[b, s:e, None]).exp_()
-            grad = q.sub_(p).mul_(grad_loss[b, s:e, None])  # (q - p) * dloss
-            grad_z[b, s:e] = torch.where(mask[b, s:e, None], grad, 0.0)
-        return grad_z, None, None, None, None, None, None
+def chunked_forward(z, t, d2t, mask, kl, shift, chunk, loss, lse_z, lse_t):
+    for b, s, e in chunks(z.shape[0], max(z.shape[1] - shift, 0), chunk):
+        zc = z[b, s:e].float()
+        tc = t[b, s + shift:e + shift].index_select(-1, d2t).float()
+        lz, lt = zc.logsumexp(-1), tc.logsumexp(-1)
+        p = (tc - lt[:, None]).exp()
+        x = tc.sub_(zc) if kl else zc  # tc is our own copy: index_select copied it
+        mean = (p * x).sum(-1)  # sum_j p_j x_j
+        loss[b, s:e] = torch.where(mask[b, s:e], (mean - lt + lz) if kl else (lz - mean), 0.0)
+        lse_z[b, s:e], lse_t[b, s:e] = lz, lt
 
 
-# --- Triton path -----------------------------------------------------------------------------
+def chunked_backward(z, t, d2t, mask, lse_z, lse_t, grad_loss, shift, chunk, grad_z):
+    for b, s, e in chunks(z.shape[0], max(z.shape[1] - shift, 0), chunk):
+        q = (z[b, s:e].float() - lse_z[b, s:e, None]).exp_()
+        p = (t[b, s + shift:e + shift].index_select(-1, d2t).float() - lse_t[b, s:e, None]).exp_()
+        grad = q.sub_(p).mul_(grad_loss[b, s:e, None])  # (q - p) * dloss
+        grad_z[b, s:e] = torch.where(mask[b, s:e, None], grad, 0.0)
 
 
-def distill_loss_triton(draft_logits, target_logits, draft_to_target, mask, *, kind: str, shift: int = 0,
-                        block: int = BLOCK):
-    """The Triton kernels; `block` draft-vocab columns per step (a power of two)."""
-    check_inputs(draft_logits, target_logits, draft_to_target, mask, kind, shift)
-    if kind not in FUSED:
-        raise ValueError(f"kind={kind!r} has no fused path; distill_loss runs it through the reference")
-    z, t, m = as_batched(draft_logits, target_logits, mask)
-    loss = _Triton.apply(z, t, draft_to_target, m, kind == "kl", shift, block)
-    return loss.view(mask.shape)
+def triton_forward(z, t, d2t, mask, kl, shift, block, loss, lse_z, lse_t):
+    B, T, D = z.shape
+    mask_u8 = mask.to(torch.uint8)
+    if B * max(T - shift, 0):
+        _forward_kernel[(B * max(T - shift, 0),)](
+            z, t, d2t, mask_u8, loss, lse_z, lse_t, T, shift, D,
+            *z.stride(), *t.stride(), *mask_u8.stride(), KL=kl, BLOCK=block)
 
 
-class _Triton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z, t, d2t, mask, kl: bool, shift: int, block: int):
-        B, T, D = z.shape
-        n = max(T - shift, 0)
-        loss, lse_z, lse_t = (z.new_zeros(B, T, dtype=torch.float32) for _ in range(3))
-        mask_u8 = mask.to(torch.uint8)
-        if B * n:
-            _forward_kernel[(B * n,)](
-                z, t, d2t, mask_u8, loss, lse_z, lse_t, T, shift, D,
-                *z.stride(), *t.stride(), *mask_u8.stride(), KL=kl, BLOCK=block)
-        ctx.save_for_backward(z, t, d2t, mask_u8, lse_z, lse_t)
-        ctx.shift, ctx.block = shift, block
-        return loss
+def triton_backward(z, t, d2t, mask, lse_z, lse_t, grad_loss, shift, block, grad_z):
+    B, T, D = z.shape
+    mask_u8, g = mask.to(torch.uint8), grad_loss.contiguous()
+    if B * max(T - shift, 0):
+        _backward_kernel[(B * max(T - shift, 0),)](
+            z, t, d2t, mask_u8, g, lse_z, lse_t, grad_z, T, shift, D,
+            *z.stride(), *t.stride(), *mask_u8.stride(), *grad_z.stride(), BLOCK=block)
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        z, t, d2t, mask_u8, lse_z, lse_t = ctx.saved_tensors
-        B, T, D = z.shape
-        n = max(T - ctx.shift, 0)
-        grad_z = torch.zeros_like(z)
-        g = grad_loss.contiguous()
-        if B * n:
-            _backward_kernel[(B * n,)](
-                z, t, d2t, mask_u8, g, lse_z, lse_t, grad_z, T, ctx.shift, D,
-                *z.stride(), *t.stride(), *mask_u8.stride(), *grad_z.stride(), BLOCK=ctx.block)
-        return grad_z, None, None, None, None, None, None
+
+class FusedPath(NamedTuple):
+    forward: Callable
+    backward: Callable
+
+
+CHUNKED = FusedPath(chunked_forward, chunked_backward)
+TRITON = FusedPath(triton_forward, triton_backward)
 
 
 @triton.jit
@@ -237,11 +234,7 @@ def _forward_kernel(z_ptr, t_ptr, d2t_ptr, mask_ptr, loss_ptr, lse_z_ptr, lse_t_
     l_t = 0.0
     acc = 0.0
     for start in range(0, D, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        ok = cols < D
-        ids = tl.load(d2t_ptr + cols, mask=ok, other=0)
-        z = tl.load(z_row + cols * z_sv, mask=ok, other=0.0).to(tl.float32)
-        t = tl.load(t_row + ids * t_sv, mask=ok, other=0.0).to(tl.float32)
+        cols, ok, z, t = _columns(z_row, t_row, d2t_ptr, start, D, z_sv, t_sv, BLOCK)
         m_z_new = tl.maximum(m_z, tl.max(tl.where(ok, z, float("-inf")), 0))
         l_z = l_z * tl.exp(m_z - m_z_new) + tl.sum(tl.where(ok, tl.exp(z - m_z_new), 0.0), 0)
         m_z = m_z_new
@@ -283,10 +276,17 @@ def _backward_kernel(z_ptr, t_ptr, d2t_ptr, mask_ptr, g_ptr, lse_z_ptr, lse_t_pt
     lse_z = tl.load(lse_z_ptr + out)
     lse_t = tl.load(lse_t_ptr + out)
     for start in range(0, D, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        ok = cols < D
-        ids = tl.load(d2t_ptr + cols, mask=ok, other=0)
-        z = tl.load(z_row + cols * z_sv, mask=ok, other=0.0).to(tl.float32)
-        t = tl.load(t_row + ids * t_sv, mask=ok, other=0.0).to(tl.float32)
+        cols, ok, z, t = _columns(z_row, t_row, d2t_ptr, start, D, z_sv, t_sv, BLOCK)
         grad = tl.where(active, (tl.exp(z - lse_z) - tl.exp(t - lse_t)) * g, 0.0)
         tl.store(grad_ptr + b * dz_sb + s * dz_st + cols * dz_sv, grad.to(grad_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _columns(z_row, t_row, d2t_ptr, start, D, z_sv, t_sv, BLOCK: tl.constexpr):
+    """Draft columns start.. start + BLOCK: their indices, which exist, z and the target's t gathered by d2t."""
+    cols = start + tl.arange(0, BLOCK)
+    ok = cols < D
+    ids = tl.load(d2t_ptr + cols, mask=ok, other=0)
+    z = tl.load(z_row + cols * z_sv, mask=ok, other=0.0).to(tl.float32)
+    t = tl.load(t_row + ids * t_sv, mask=ok, other=0.0).to(tl.float32)
+    return cols, ok, z, t

@@ -151,6 +151,33 @@ void over_row_tiles(int64_t M, Fn&& fn) {
   }
 }
 
+// Calls fn(rows, m, n) for every output channel n over x's rows in tiles of TILE. Each channel is summed
+// on one thread, so no sum depends on the thread count.
+template <int TILE, typename Fn>
+void over_channels(int64_t M, int64_t N, Fn&& fn) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) over_row_tiles<TILE>(M, [&](auto rows, int64_t m) { fn(rows, m, n); });
+  });
+}
+
+// The operands of an int8-weight matmul with fp32 activations: out [M, N] and the pointers its kernels read.
+struct Int8Operands {
+  at::Tensor out, scales;
+  const float* x;
+  const int8_t* q;
+  const float* s;
+  float* o;
+};
+
+Int8Operands int8_operands(const at::Tensor& xc, const at::Tensor& qweight, const at::Tensor& scales, int64_t N) {
+  Int8Operands ops{at::empty({xc.size(0), N}, xc.options()), scales.to(at::kFloat).contiguous()};
+  ops.x = xc.data_ptr<float>();
+  ops.q = qweight.data_ptr<int8_t>();
+  ops.s = ops.scales.data_ptr<float>();
+  ops.o = ops.out.data_ptr<float>();
+  return ops;
+}
+
 // x [..., K] as fp32 [M, K] rows; checks what the kernels would otherwise misread.
 at::Tensor rows_of(const at::Tensor& x, const at::Tensor& q, int64_t K) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "x: fp32 on the CPU");
@@ -184,13 +211,9 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   const uint8_t* qp = packed.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *zp = z.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {  // each channel on one thread: no thread-dependent sums
-    for (int64_t n = begin; n < end; ++n) {
-      over_row_tiles<kInt4RowTile>(M, [&](auto rows, int64_t m) {
-        int4_rows<decltype(rows)::value>(xp + m * K, xsp + m * groups, K, qp + n * K / 2, sp + n * groups,
-                                         zp + n * groups, group_size, op + m * N + n, N);
-      });
-    }
+  over_channels<kInt4RowTile>(M, N, [&](auto rows, int64_t m, int64_t n) {
+    int4_rows<decltype(rows)::value>(xp + m * K, xsp + m * groups, K, qp + n * K / 2, sp + n * groups,
+                                     zp + n * groups, group_size, op + m * N + n, N);
   });
   return shaped_like(out, x);
 }
@@ -200,20 +223,11 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& qweight, const at:
   const at::Tensor xc = rows_of(x, qweight, K);
   const int64_t M = xc.size(0);
   TORCH_CHECK(scales.numel() == N, "scales: [N]");
-  const at::Tensor s = scales.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, xc.options());
-  const float* xp = xc.data_ptr<float>();
-  const int8_t* qp = qweight.data_ptr<int8_t>();
-  const float* sp = s.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      over_row_tiles<kInt8RowTile>(M, [&](auto rows, int64_t m) {
-        int8_rows<decltype(rows)::value>(xp + m * K, K, qp + n * K, sp[n], op + m * N + n, N);
-      });
-    }
+  const Int8Operands ops = int8_operands(xc, qweight, scales, N);
+  over_channels<kInt8RowTile>(M, N, [&](auto rows, int64_t m, int64_t n) {
+    int8_rows<decltype(rows)::value>(ops.x + m * K, K, ops.q + n * K, ops.s[n], ops.o + m * N + n, N);
   });
-  return shaped_like(out, x);
+  return shaped_like(ops.out, x);
 }
 
 at::Tensor int8_group_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -225,21 +239,12 @@ at::Tensor int8_group_matmul(const at::Tensor& x, const at::Tensor& qweight, con
               "group_size must divide K and be a multiple of ", kStep);
   const int64_t groups = K / group_size;
   TORCH_CHECK(scales.numel() == N * groups, "scales: [N, K / group_size]");
-  const at::Tensor s = scales.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, xc.options());
-  const float* xp = xc.data_ptr<float>();
-  const int8_t* qp = qweight.data_ptr<int8_t>();
-  const float* sp = s.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      over_row_tiles<kInt8GroupRowTile>(M, [&](auto rows, int64_t m) {
-        int8_group_rows<decltype(rows)::value>(xp + m * K, K, qp + n * K, sp + n * groups, group_size,
-                                               op + m * N + n, N);
-      });
-    }
+  const Int8Operands ops = int8_operands(xc, qweight, scales, N);
+  over_channels<kInt8GroupRowTile>(M, N, [&](auto rows, int64_t m, int64_t n) {
+    int8_group_rows<decltype(rows)::value>(ops.x + m * K, K, ops.q + n * K, ops.s + n * groups, group_size,
+                                           ops.o + m * N + n, N);
   });
-  return shaped_like(out, x);
+  return shaped_like(ops.out, x);
 }
 
 

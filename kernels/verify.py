@@ -196,20 +196,23 @@ def _sample_kernel(logits_ptr, q_ptr, lse_ptr, accepted_ptr, u_ptr, token_ptr, K
     lse = tl.load(lse_ptr + b * (K + 1) + a)
     total = 0.0
     for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        ok = cols < V
-        p = tl.exp(tl.load(logits_row + cols * l_sv, mask=ok, other=float("-inf")).to(tl.float32) / temperature - lse)
-        q = tl.load(q_row + cols * q_sv, mask=cols < q_len, other=0.0).to(tl.float32)
-        total += tl.sum(tl.maximum(p - q, 0.0), 0)
+        w, ok = _residual(logits_row, q_row, start, V, q_len, l_sv, q_sv, temperature, lse, BLOCK)
+        total += tl.sum(w, 0)
     threshold = tl.load(u_ptr + b * (K + 1) + K) * total
     below = 0  # columns whose cumulative weight is <= threshold
     cdf = 0.0
     for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        ok = cols < V
-        p = tl.exp(tl.load(logits_row + cols * l_sv, mask=ok, other=float("-inf")).to(tl.float32) / temperature - lse)
-        q = tl.load(q_row + cols * q_sv, mask=cols < q_len, other=0.0).to(tl.float32)
-        w = tl.maximum(p - q, 0.0)
+        w, ok = _residual(logits_row, q_row, start, V, q_len, l_sv, q_sv, temperature, lse, BLOCK)
         below += tl.sum((((cdf + tl.cumsum(w, 0)) <= threshold) & ok).to(tl.int32), 0)
         cdf += tl.sum(w, 0)
     tl.store(token_ptr + b, tl.minimum(below, V - 1).to(tl.int64))
+
+
+@triton.jit
+def _residual(logits_row, q_row, start, V, q_len, l_sv, q_sv, temperature, lse, BLOCK: tl.constexpr):
+    """Columns start.. start + BLOCK of max(0, p - q) (0 past V, and q = 0 past q_len), and which exist."""
+    cols = start + tl.arange(0, BLOCK)
+    ok = cols < V
+    p = tl.exp(tl.load(logits_row + cols * l_sv, mask=ok, other=float("-inf")).to(tl.float32) / temperature - lse)
+    q = tl.load(q_row + cols * q_sv, mask=cols < q_len, other=0.0).to(tl.float32)
+    return tl.maximum(p - q, 0.0), ok

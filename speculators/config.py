@@ -175,6 +175,19 @@ def register_group(group: str) -> None:
         ConfigStore.instance().store(group=group, name=path.stem, node=OmegaConf.load(path))
 
 
+def run_command(config_name: str, config_class: type, task: Callable, config_dir: str = "conf") -> None:
+    """`python -m <module>` of a task taking one config: Hydra reads conf/<config_name>.yaml (under
+    `config_dir`) and the command line into `config_class`; bad input ends in one line (run_cli)."""
+    import hydra
+
+    @hydra.main(config_path=str(PROJECT_ROOT / config_dir), config_name=config_name, version_base="1.3")
+    @exit_on_user_error
+    def main(cfg: DictConfig) -> None:
+        task(to_dataclass(config_class, cfg))
+
+    run_cli(main)
+
+
 def run_cli(hydra_main: Callable[[], None]) -> None:
     """Run a @hydra.main function; config and input errors end in one line on stderr.
 

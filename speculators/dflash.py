@@ -121,23 +121,15 @@ class DFlashDrafter(MaskEmbedding, Drafter):
 
     def __init__(self, cfg: DFlashConfig, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
         super().__init__()
-        self.cfg, self.layer_cfg, self.layer_ids = cfg, layer_cfg, list(layer_ids)
-        H, V, N = layer_cfg.hidden_size, layer_cfg.vocab_size, cfg.draft_vocab_size
-        if N > V:
-            raise UserError(f"draft_vocab_size={N} is larger than the target's vocabulary ({V})")
-        require(cfg.mask_token_id is not None and 0 <= cfg.mask_token_id < V, "drafter.mask_token_id",
-                cfg.mask_token_id, f"a token id in 0..{V - 1} (the target's vocabulary)")
+        H, _, N = self.add_target_parts(cfg, layer_cfg, layer_ids)
         require(cfg.block_size < layer_cfg.max_position_embeddings, "drafter.block_size", cfg.block_size,
                 f"below the target's context of {layer_cfg.max_position_embeddings} positions")
-        self.embed_tokens = nn.Embedding(V, H).requires_grad_(False)  # the target's, frozen
         self.add_mask_embedding(H)
         self.fc = nn.Linear(len(layer_ids) * target_hidden_size, H, bias=False)
         self.hidden_norm = RMSNorm(H, layer_cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DFlashDecoderLayer(layer_cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(H, layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, N, bias=False).requires_grad_(False)  # the target's rows, frozen
-        self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
 
     @classmethod
     def from_target(cls, cfg: DFlashConfig, target: FrozenTarget, token_counts: torch.Tensor) -> "DFlashDrafter":

@@ -142,11 +142,7 @@ class Eagle3Drafter(Drafter):
 
     def __init__(self, cfg: Eagle3Config, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
         super().__init__()
-        self.cfg, self.layer_cfg, self.layer_ids = cfg, layer_cfg, list(layer_ids)
-        H, V, N = layer_cfg.hidden_size, layer_cfg.vocab_size, cfg.draft_vocab_size
-        if N > V:
-            raise UserError(f"draft_vocab_size={N} is larger than the target's vocabulary ({V})")
-        self.embed_tokens = nn.Embedding(V, H).requires_grad_(False)  # the target's, frozen
+        H, _, N = self.add_target_parts(cfg, layer_cfg, layer_ids)
         self.fc = nn.Linear(len(layer_ids) * target_hidden_size, H, bias=False)
         if cfg.fc_norm:
             self.fc_norm = nn.ModuleList([RMSNorm(target_hidden_size, layer_cfg.rms_norm_eps) for _ in layer_ids])
@@ -155,8 +151,6 @@ class Eagle3Drafter(Drafter):
         self.layers = nn.ModuleList([Eagle3DecoderLayer(layer_cfg, cfg.norm_before_residual)])
         self.norm = RMSNorm(H, layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, N, bias=False)
-        self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
         self._rotary = None  # serving-time cos/sin table (rotary_table)
 
     @classmethod

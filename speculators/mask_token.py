@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from speculators.config import require
 from speculators.eagle3 import layer_config
 
 
@@ -20,6 +21,9 @@ class MaskEmbedding:
     """Mixin for a drafter (an nn.Module) with `embed_tokens` and `cfg.mask_token_id`."""
 
     def add_mask_embedding(self, hidden_size: int) -> None:
+        V = self.embed_tokens.num_embeddings
+        require(self.cfg.mask_token_id is not None and 0 <= self.cfg.mask_token_id < V, "drafter.mask_token_id",
+                self.cfg.mask_token_id, f"a token id in 0..{V - 1} (the target's vocabulary)")
         self.mask_embedding = nn.Parameter(torch.zeros(hidden_size))  # row mask_token_id of embed_tokens, learned
         self.register_state_dict_post_hook(fold_mask_embedding)
         self.register_load_state_dict_pre_hook(unfold_mask_embedding)

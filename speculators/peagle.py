@@ -55,7 +55,7 @@ from transformers import LlamaConfig
 
 from kernels import distill_loss
 from kernels.distill import KINDS
-from speculators.config import UserError, at_least, one_of, require
+from speculators.config import at_least, one_of, require
 from speculators.drafter import Drafter
 from speculators.eagle3 import (
     Eagle3Attention,
@@ -132,14 +132,8 @@ class PEagleDrafter(MaskEmbedding, Drafter):
 
     def __init__(self, cfg: PEagleConfig, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
         super().__init__()
-        self.cfg, self.layer_cfg, self.layer_ids = cfg, layer_cfg, list(layer_ids)
-        H, V, N = layer_cfg.hidden_size, layer_cfg.vocab_size, cfg.draft_vocab_size
-        if N > V:
-            raise UserError(f"draft_vocab_size={N} is larger than the target's vocabulary ({V})")
-        require(cfg.mask_token_id is not None and 0 <= cfg.mask_token_id < V, "drafter.mask_token_id",
-                cfg.mask_token_id, f"a token id in 0..{V - 1} (the target's vocabulary)")
+        H, _, N = self.add_target_parts(cfg, layer_cfg, layer_ids)
         n_aux = len(layer_ids) * target_hidden_size
-        self.embed_tokens = nn.Embedding(V, H).requires_grad_(False)  # the target's, frozen
         self.add_mask_embedding(H)
         self.mask_hidden = nn.Parameter(torch.zeros(1, 1, n_aux))  # the features depths >= 1 read
         self.fc = nn.Linear(n_aux, H, bias=False)
@@ -147,8 +141,6 @@ class PEagleDrafter(MaskEmbedding, Drafter):
                                     + [PEagleDecoderLayer(layer_cfg) for _ in range(cfg.num_layers - 1)])
         self.norm = RMSNorm(H, layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, N, bias=False)
-        self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
         self._rotary = None  # serving-time cos/sin table (rotary_table)
 
     @classmethod

@@ -23,9 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import hydra
 import torch
-from omegaconf import DictConfig
 from tqdm import tqdm
 
 from inference import evalsets
@@ -33,7 +31,7 @@ from inference.engine import generate
 from inference.sessions import open_session
 from kernels.provenance import git_revision, machine
 from speculators import corpus
-from speculators.config import at_least, exit_on_user_error, run_cli, to_dataclass
+from speculators.config import at_least, run_command
 from speculators.quant import QuantConfig, weight_bytes
 from speculators.target import FrozenTarget, TargetConfig
 from train.data import conversation, encode_chat
@@ -242,11 +240,5 @@ def render(card: dict) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path="../conf", config_name="chat_target_card", version_base="1.3")
-@exit_on_user_error
-def main(cfg: DictConfig) -> None:
-    run(to_dataclass(ChatTargetCardConfig, cfg))
-
-
 if __name__ == "__main__":
-    run_cli(main)
+    run_command("chat_target_card", ChatTargetCardConfig, run)

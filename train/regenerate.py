@@ -32,16 +32,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import hydra
 import torch
 import transformers
-from omegaconf import DictConfig
 from tqdm import tqdm
 from transformers import GenerationConfig
 
 from inference import llamacpp
 from speculators import gguf_file
-from speculators.config import UserError, at_least, exit_on_user_error, one_of, require, run_cli, to_dataclass
+from speculators.config import UserError, at_least, one_of, require, run_command
 from speculators.corpus import SPLITS
 from speculators.quant import QuantConfig
 from speculators.target import FrozenTarget, TargetConfig
@@ -341,11 +339,5 @@ class LlamaCppGenerator:
         self.server.close()
 
 
-@hydra.main(config_path="../conf", config_name="regenerate", version_base="1.3")
-@exit_on_user_error
-def main(cfg: DictConfig) -> None:
-    regenerate(to_dataclass(RegenerateConfig, cfg))
-
-
 if __name__ == "__main__":
-    run_cli(main)
+    run_command("regenerate", RegenerateConfig, regenerate)
