@@ -241,12 +241,15 @@ class CompletionRun:
 
 
 def completion(target: Path, prompt: str, n_predict: int = 32, threads: int = 1, context: int = 2048,
-               timeout: float = 600) -> CompletionRun:
-    """Greedy target-only generation of `n_predict` tokens after `prompt` with llama-completion."""
+               timeout: float = 600, ubatch: int | None = None) -> CompletionRun:
+    """Greedy target-only generation of `n_predict` tokens after `prompt` with llama-completion; `ubatch`:
+    the most tokens one pass computes (llama.cpp's -ub; None: its default, the whole prompt in one pass)."""
     command = [str(build() / "llama-completion"), "-m", str(target), "-p", prompt, "-n", str(n_predict),
-               "-c", str(context), "-t", str(threads), "--temp", "0", "--seed", "0", "-no-cnv"]
-    done = run_logged(command + ["-sp"], "llama-completion", r"eval time", timeout)
-    found = re.search(r"perf_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", done.stderr)
+               "-c", str(context), "-t", str(threads), "--temp", "0", "--seed", "0", "-no-cnv",
+               *(["-ub", str(ubatch)] if ubatch else [])]
+    decode_line = r"perf_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs"  # not "prompt eval time"
+    done = run_logged(command + ["-sp"], "llama-completion", decode_line, timeout)
+    found = re.search(decode_line, done.stderr)
     if found is None:
         raise UserError("llama-completion's log has no 'eval time = ... runs'; its output format changed?")
     ms, runs = float(found.group(1)), int(found.group(2))

@@ -5,6 +5,9 @@
 
 On the same prompts, greedy, one thread, interleaved prompt by prompt (inference/rounds.py):
 - llamacpp_target_only: llama-completion, llama.cpp's plain decoding (the speed-up baseline);
+- llamacpp_target_only_ubatch1: the same with the prompt computed one token per pass (-ub 1). llama.cpp's
+  logits depend on how many tokens a pass holds, so where this output differs from the baseline's, no
+  speculation (whose verification passes hold K + 1 tokens) can be expected to reproduce it exactly;
 - llamacpp_ngram: llama.cpp's n-gram speculation (llama-speculative-simple --spec-type ngram-simple);
 - llamacpp_eagle3_chain: the drafter exported as GGUF (speculators/export_gguf.py), --spec-type draft-eagle3;
 - ours_target_only, ours_eagle3_chain: our engine (inference/engine.py) on the same target file.
@@ -77,9 +80,11 @@ def ways(target, drafter, draft_gguf: Path, k: int, cfg: LlamacppBenchConfig) ->
     def text(p: Prompt) -> str:  # the templated prompt, special tokens as text (llama.cpp parses them)
         return target.tokenizer.decode(p.ids)
 
-    def plain(p: Prompt) -> Run:
-        r = llamacpp.completion(source, text(p), n, threads=threads)
-        return Run(r.n_predict, r.n_predict / r.decode_tokens_per_s, after_prompt(r.text, text(p)))
+    def plain(ubatch: int | None = None):
+        def way(p: Prompt) -> Run:
+            r = llamacpp.completion(source, text(p), n, threads=threads, ubatch=ubatch)
+            return Run(r.n_predict, r.n_predict / r.decode_tokens_per_s, after_prompt(r.text, text(p)))
+        return way
 
     def speculative(draft: Path | None, spec_type: str, draft_max: int):
         def way(p: Prompt) -> Run:
@@ -97,7 +102,8 @@ def ways(target, drafter, draft_gguf: Path, k: int, cfg: LlamacppBenchConfig) ->
                        s.num_draft_tokens, s.num_accepted_tokens)
         return way
 
-    return {"llamacpp_target_only": plain,
+    return {"llamacpp_target_only": plain(),
+            "llamacpp_target_only_ubatch1": plain(ubatch=1),  # the prompt one token per pass: same output?
             "llamacpp_ngram": speculative(None, "ngram-simple", cfg.ngram_draft_max),
             "llamacpp_eagle3_chain": speculative(draft_gguf, "draft-eagle3", k),
             "ours_target_only": ours(0), "ours_eagle3_chain": ours(k)}
@@ -138,10 +144,10 @@ def check_gguf_target(target) -> None:
 
 
 def table(result: dict) -> str:
-    lines = [f"{'method':<24} {'tokens/s':>9} {'speed-up':>9} {'accepted':>9} {'same output':>12}"]
+    lines = [f"{'method':<28} {'tokens/s':>9} {'speed-up':>9} {'accepted':>9} {'same output':>12}"]
     for name, row in result["methods"].items():
         rate = f"{row['acceptance_rate']:.1%}" if row["acceptance_rate"] is not None else "-"
-        lines.append(f"{name:<24} {row['tokens_per_second']:>9.1f} {row['speedup']:>8.2f}x {rate:>9} "
+        lines.append(f"{name:<28} {row['tokens_per_second']:>9.1f} {row['speedup']:>8.2f}x {rate:>9} "
                      f"{str(row['outputs_match_llamacpp_target_only']):>12}")
     p = result["acceptance_parity"]
     lines.append(f"accepted share of draft tokens, K={result['k']}: llama.cpp {p['llamacpp']:.1%}, ours {p['ours']:.1%}")

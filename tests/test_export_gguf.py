@@ -277,8 +277,8 @@ def test_llamacpp_bench_runs_both_engines_on_the_same_prompts(gguf_target, make_
     draft = export.save(make_drafter(target), tmp_path / "d.gguf", Verifier.of(target), fmt="gguf")
     result = llamacpp_bench.run(target, make_drafter(target), prompts, cfg, draft)
     rows = result["methods"]
-    assert set(rows) == {"llamacpp_target_only", "llamacpp_ngram", "llamacpp_eagle3_chain", "ours_target_only",
-                         "ours_eagle3_chain"}
+    assert set(rows) == {"llamacpp_target_only", "llamacpp_target_only_ubatch1", "llamacpp_ngram",
+                         "llamacpp_eagle3_chain", "ours_target_only", "ours_eagle3_chain"}
     assert all(row["tokens_per_second"] > 0 for row in rows.values())
     assert rows["llamacpp_target_only"]["outputs_match_llamacpp_target_only"] and result["k"] == 3
     for name in ("llamacpp_eagle3_chain", "ours_eagle3_chain"):
