@@ -43,6 +43,7 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
     assert f"export: {export_dir}" in result.stdout
     config = json.loads((export_dir / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3  # K as trained
     assert config["draft_vocab_size"] == DRAFT
     assert config["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(llama_dir)
