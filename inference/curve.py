@@ -24,6 +24,7 @@ def point(run_dir: Path) -> dict:
             raise UserError(f"{run_dir}: no {file.relative_to(run_dir)} (a finished `python train.py` run directory?)")
     facts, figures = json.loads(training.read_text()), json.loads(report.read_text())
     return {"run": str(run_dir), "steps": facts["steps"], "tokens_seen": facts["tokens_seen"],
+            "init_from": facts.get("init_from"),  # a run that continued another export (its tokens included)
             "acceptance_length": figures["acceptance_length"],
             "acceptance_rate_per_position": figures["acceptance_rate_per_position"],
             "eval": figures["config"]["eval"], "max_new_tokens": figures["config"]["max_new_tokens"],
@@ -31,8 +32,15 @@ def point(run_dir: Path) -> dict:
 
 
 def plot(points: list[dict], path: Path, title: str) -> None:
+    def series(chosen: list[dict]) -> tuple[list[float], list[float]]:
+        return [p["tokens_seen"] / 1e6 for p in chosen], [p["acceptance_length"] for p in chosen]
+
+    continued = [p for p in points if p["init_from"]]
     with plots.figure(path) as ax:
-        ax.plot([p["tokens_seen"] / 1e6 for p in points], [p["acceptance_length"] for p in points], marker="o")
+        ax.plot(*series([p for p in points if not p["init_from"]]), marker="o", label="one run")
+        if continued:
+            ax.plot(*series(continued), marker="s", linestyle="none", label="continued from an export (init_from)")
+            ax.legend()
         ax.set(xlabel="training tokens seen (millions)", ylabel="tau (acceptance length)", title=title)
         ax.grid(alpha=0.3)
 

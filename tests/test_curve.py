@@ -7,10 +7,11 @@ import pytest
 from inference import curve
 
 
-def fake_run(path, steps: int, tau: float):
+def fake_run(path, steps: int, tau: float, init_from: dict | None = None):
     (path / "export").mkdir(parents=True)
     (path / "acceptance").mkdir()
-    (path / "export" / "training.json").write_text(json.dumps({"steps": steps, "tokens_seen": steps * 4096}))
+    facts = {"steps": steps, "tokens_seen": steps * 4096} | ({"init_from": init_from} if init_from else {})
+    (path / "export" / "training.json").write_text(json.dumps(facts))
     report = {"acceptance_length": tau, "acceptance_rate_per_position": [tau - 1], "outputs_match_baseline": True,
               "config": {"eval": {"name": "mtbench"}, "max_new_tokens": 64}}
     (path / "acceptance" / "report.json").write_text(json.dumps(report))
@@ -25,6 +26,15 @@ def test_points_sorted_by_tokens_with_a_plot(tmp_path, capsys):
     assert [p["acceptance_length"] for p in points] == [1.1, 1.3]
     assert (tmp_path / "out" / "curve.png").stat().st_size > 0
     assert "tau 1.300" in capsys.readouterr().out
+
+
+def test_a_continued_run_is_its_own_series(tmp_path):
+    earlier = {"path": "models/x", "steps": 200, "tokens_seen": 200 * 4096}
+    runs = [fake_run(tmp_path / "first", 200, 1.3), fake_run(tmp_path / "continued", 300, 1.4, earlier)]
+    curve.main([str(r) for r in runs] + ["--out", str(tmp_path / "curve")])
+    points = json.loads((tmp_path / "curve.json").read_text())
+    assert [p["init_from"] for p in points] == [None, earlier]
+    assert (tmp_path / "curve.png").stat().st_size > 0
 
 
 def test_a_folder_that_is_not_a_run_is_one_line(tmp_path):
