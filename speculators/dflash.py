@@ -121,7 +121,7 @@ class DFlashDrafter(MaskEmbedding, Drafter):
 
     def __init__(self, cfg: DFlashConfig, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
         super().__init__()
-        H, _, N = self.add_target_parts(cfg, layer_cfg, layer_ids)
+        H, N = self.add_target_parts(cfg, layer_cfg, layer_ids)
         require(cfg.block_size < layer_cfg.max_position_embeddings, "drafter.block_size", cfg.block_size,
                 f"below the target's context of {layer_cfg.max_position_embeddings} positions")
         self.add_mask_embedding(H)

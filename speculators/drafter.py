@@ -45,10 +45,9 @@ class Drafter(nn.Module):
             problems.append(f"feature layer ids {self.layer_ids} (drafter) vs a target of {target.num_layers} layers")
         return problems
 
-    def add_target_parts(self, cfg, layer_cfg, layer_ids: list[int]) -> tuple[int, int, int]:
+    def add_target_parts(self, cfg, layer_cfg, layer_ids: list[int]) -> tuple[int, int]:
         """What the families reading target layers build first (EAGLE-3, P-EAGLE, DFlash): their configs, the
-        target's embeddings (frozen) and the draft vocabulary maps. Returns (hidden size, target vocabulary,
-        draft vocabulary)."""
+        target's embeddings (frozen) and the draft vocabulary maps. Returns (hidden size, draft vocabulary size)."""
         self.cfg, self.layer_cfg, self.layer_ids = cfg, layer_cfg, list(layer_ids)
         H, V, N = layer_cfg.hidden_size, layer_cfg.vocab_size, cfg.draft_vocab_size
         if N > V:
@@ -56,7 +55,7 @@ class Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(V, H).requires_grad_(False)  # the target's, frozen
         self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(V, dtype=torch.bool))
-        return H, V, N
+        return H, N
 
     @torch.no_grad()
     def start_from_target(self, target: FrozenTarget, token_counts: torch.Tensor, draft_vocab_size: int) -> None:

@@ -142,7 +142,7 @@ class Eagle3Drafter(Drafter):
 
     def __init__(self, cfg: Eagle3Config, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
         super().__init__()
-        H, _, N = self.add_target_parts(cfg, layer_cfg, layer_ids)
+        H, N = self.add_target_parts(cfg, layer_cfg, layer_ids)
         self.fc = nn.Linear(len(layer_ids) * target_hidden_size, H, bias=False)
         if cfg.fc_norm:
             self.fc_norm = nn.ModuleList([RMSNorm(target_hidden_size, layer_cfg.rms_norm_eps) for _ in layer_ids])

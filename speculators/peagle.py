@@ -132,7 +132,7 @@ class PEagleDrafter(MaskEmbedding, Drafter):
 
     def __init__(self, cfg: PEagleConfig, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
         super().__init__()
-        H, _, N = self.add_target_parts(cfg, layer_cfg, layer_ids)
+        H, N = self.add_target_parts(cfg, layer_cfg, layer_ids)
         n_aux = len(layer_ids) * target_hidden_size
         self.add_mask_embedding(H)
         self.mask_hidden = nn.Parameter(torch.zeros(1, 1, n_aux))  # the features depths >= 1 read
