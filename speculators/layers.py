@@ -30,6 +30,20 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def column_major_linears(module: nn.Module) -> nn.Module:
+    """Store every CPU nn.Linear weight [out, in] column-major (W^T contiguous), values unchanged.
+
+    F.linear then computes x @ W^T as a product with a row-major [in, out] matrix, which the CPU
+    BLAS runs 1.2-1.4x faster for the few rows of decoding and verification (on SmolLM2-135M here,
+    one thread: a 1-token pass 57 -> 47 ms, a 2-token pass 92 -> 67 ms, a drafter step 3.7 -> 2.6
+    ms); large batches (training, prefill) take as long either way. Tied weights stay tied.
+    """
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear) and layer.weight.device.type == "cpu" and layer.weight.is_contiguous():
+            layer.weight.data = layer.weight.data.t().contiguous().t()
+    return module
+
+
 def rope_theta(config) -> float:
     """transformers 5 keeps it in rope_parameters, 4.x in rope_theta."""
     params = getattr(config, "rope_parameters", None) or {}

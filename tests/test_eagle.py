@@ -22,6 +22,7 @@ from speculators.config import UserError
 from speculators.eagle import EagleConfig, EagleDrafter
 from speculators.export import Verifier
 from speculators.families import FAMILIES
+from speculators.layers import column_major_linears
 from train.module import DrafterModule
 from train.optim import OptimConfig
 
@@ -299,11 +300,12 @@ def test_eagle_export_round_trip(target, text_batch, tmp_path):
     assert not loaded.embed_tokens.weight.requires_grad and not loaded.lm_head.weight.requires_grad
     assert torch.equal(loaded.d2t, drafter.d2t) and torch.equal(loaded.t2d, drafter.t2d)
 
-    # The loaded drafter serves exactly as the saved one: a prefix, then a chain of its own outputs.
+    # The loaded drafter serves exactly as the saved one in the layout export.load gives it: a prefix,
+    # then a chain of its own outputs.
     ids = text_batch[:1, :20]
     features = target(ids).last_hidden
     results = []
-    for model in (drafter, loaded.eval()):
+    for model in (column_major_linears(drafter), loaded.eval()):
         cache = model.new_cache(1, 32)
         logits, hidden = model.step(cache, ids[:, 1:], features[:, :-1])
         chain = [logits, hidden]
