@@ -18,6 +18,7 @@ from kernels.distill import (
     distill_loss_triton,
 )
 from kernels.quant_matmul import (
+    dense_matmul,
     quant_matmul,
     quant_matmul_reference,
     quant_matmul_triton,
@@ -35,7 +36,7 @@ from kernels.verify import (
 __all__ = [
     "INTERPRET", "use_triton",
     "distill_loss", "distill_loss_chunked", "distill_loss_reference", "distill_loss_triton",
-    "quant_matmul", "quant_matmul_reference", "quant_matmul_triton",
+    "dense_matmul", "quant_matmul", "quant_matmul_reference", "quant_matmul_triton",
     "verify_greedy", "verify_greedy_reference", "verify_greedy_triton", "verify_relaxed",
     "verify_sampling", "verify_sampling_reference", "verify_sampling_triton",
 ]

@@ -1,7 +1,7 @@
 """Time of one quantized matmul on the CPU: the kernel against dequantize + matmul and against fp32.
 
     python -m kernels.bench_quant_matmul results/pycode/quant_matmul_cpu.json [--repeats 15]
-        [--shapes "smollm2 lm_head" ...] [--rows 1 6]
+        [--shapes "smollm2 lm_head" ...] [--rows 1 6] [--stream]
 
 For each layer shape (the shipped target's MLP, a 369M Llama's: hidden 2048, MLP 5632, and
 SmolLM2-135M's: hidden 576, 3 KV heads of 64, MLP 1536, vocab 49152) and each number of rows of x
@@ -9,15 +9,19 @@ SmolLM2-135M's: hidden 576, 3 KV heads of 64, MLP 1536, vocab 49152) and each nu
 F.linear on the unquantized W, and for int8 (per channel), int8/32 (one scale per 32 columns, GGUF's
 Q8_0) and int4 (groups of 32, GGUF's Q4_1) kernels.quant_matmul's CPU kernel with fp32 x ("kernel"),
 the same kernel with x rounded to int8 per 32 columns ("kernel int8-x": integer dot products, in the
-instruction set the JSON names), and the reference (dequantize + one matmul).
+instruction set the JSON names), and the reference (dequantize + one matmul); and the same kernel's
+loop over the fp32 W ("fp32 kernel", kernels.dense_matmul: where it beats F.linear is the measurement
+behind DENSE_KERNEL_MAX_ROWS).
 Ways alternate call by call within each repeat (the same machine load for all); each timing is
 enough calls to last about 20 ms, and the JSON holds the median milliseconds per call over
 repeats, the speed-up over fp32, and per scheme the largest row count where the kernel still
 beats dequantize + matmul: the measurement behind kernels.quant_matmul.CPU_KERNEL_MAX_ROWS.
-The weights stay in the caches between calls: decoding a whole model streams them from memory.
+The weights stay in the caches between calls unless --stream, where each call reads another copy from
+memory, as decoding a whole model does.
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from kernels.provenance import git_revision, machine
 from kernels.quant_matmul import (
     CPU_KERNEL_MAX_ROWS,
+    DENSE_KERNEL_MAX_ROWS,
     cpu_ops,
     pack_int4,
     quant_matmul_cpu,
@@ -43,23 +48,38 @@ SHAPES = {"pycode mlp up": (768, 256), "pycode mlp down": (256, 768),
 ROWS = (1, 6, 16, 32, 64, 128)
 GROUP_SIZE = 32
 SCHEMES = ("int8", "int8/32", "int4")
+STREAM_BYTES = 256 * 2**20
 
 
-def ways_for(N: int, K: int) -> dict:
-    """way name -> function of x, all computing x W^T for one random W."""
-    weight = torch.randn(N, K)
-    scales8 = weight.abs().amax(1) / 127
-    int8 = (torch.round(weight / scales8[:, None]).to(torch.int8), scales8)
-    scales8g = weight.view(N, -1, GROUP_SIZE).abs().amax(-1) / 127
-    int8g = (torch.round(weight / scales8g.repeat_interleave(GROUP_SIZE, 1)).to(torch.int8), scales8g, None, GROUP_SIZE)
-    q, scales4, zeros4 = round_to_nearest_int4(weight, GROUP_SIZE)
-    int4 = (pack_int4(q), scales4, zeros4, GROUP_SIZE)
-    ways = {"fp32": lambda x: F.linear(x, weight)}
-    for scheme, stored in zip(SCHEMES, (int8, int8g, int4)):
-        ways |= {f"{scheme} kernel": lambda x, w=stored: quant_matmul_cpu(x, *w),
-                 f"{scheme} kernel int8-x": lambda x, w=stored: quant_matmul_cpu(x, *w, int8_activations=True),
-                 f"{scheme} dequantize": lambda x, w=stored: quant_matmul_reference(x, *w)}
+def ways_for(N: int, K: int, stream: bool = False) -> dict:
+    """way name -> function of x, all computing x W^T for a random W. stream: each call takes the next of
+    enough copies of W (over 256 MB of fp32) that none is still in a cache, as in decoding a whole model."""
+    copies = -(-STREAM_BYTES // (4 * N * K)) if stream else 1
+    stored = [stored_forms(torch.randn(N, K)) for _ in range(copies)]
+    turn = itertools.cycle(range(copies))
+
+    def way(fn):
+        return lambda x: fn(x, stored[next(turn)])
+
+    ways = {"fp32": way(lambda x, w: F.linear(x, w["fp32"])),
+            "fp32 kernel": way(lambda x, w: cpu_ops().fp32_matmul(x, w["fp32"]))}
+    for scheme in SCHEMES:
+        ways |= {f"{scheme} kernel": way(lambda x, w, s=scheme: quant_matmul_cpu(x, *w[s])),
+                 f"{scheme} kernel int8-x": way(lambda x, w, s=scheme: quant_matmul_cpu(x, *w[s], int8_activations=True)),
+                 f"{scheme} dequantize": way(lambda x, w, s=scheme: quant_matmul_reference(x, *w[s]))}
     return ways
+
+
+def stored_forms(weight: torch.Tensor) -> dict:
+    """scheme -> the stored operands of quant_matmul for `weight`, and "fp32" -> weight."""
+    N = weight.shape[0]
+    scales8 = weight.abs().amax(1) / 127
+    scales8g = weight.view(N, -1, GROUP_SIZE).abs().amax(-1) / 127
+    q, scales4, zeros4 = round_to_nearest_int4(weight, GROUP_SIZE)
+    return {"fp32": weight, "int8": (torch.round(weight / scales8[:, None]).to(torch.int8), scales8),
+            "int8/32": (torch.round(weight / scales8g.repeat_interleave(GROUP_SIZE, 1)).to(torch.int8), scales8g, None,
+                        GROUP_SIZE),
+            "int4": (pack_int4(q), scales4, zeros4, GROUP_SIZE)}
 
 
 def calls_lasting(fn, x, seconds: float = 0.02) -> int:
@@ -70,9 +90,9 @@ def calls_lasting(fn, x, seconds: float = 0.02) -> int:
     return calls
 
 
-def time_shape(N: int, K: int, rows: int, repeats: int) -> dict[str, float]:
+def time_shape(N: int, K: int, rows: int, repeats: int, stream: bool = False) -> dict[str, float]:
     """way -> median ms per call."""
-    ways = ways_for(N, K)
+    ways = ways_for(N, K, stream)
     x = torch.randn(rows, K)
     calls = {name: calls_lasting(fn, x) for name, fn in ways.items()}  # also the warm-up
     times = {name: [] for name in ways}
@@ -85,11 +105,11 @@ def time_shape(N: int, K: int, rows: int, repeats: int) -> dict[str, float]:
     return {name: statistics.median(ms) for name, ms in times.items()}
 
 
-def kernel_wins_up_to(by_rows: dict[int, dict[str, float]], scheme: str, kernel: str = "kernel") -> int:
-    """The largest row count up to which the kernel beats dequantize + matmul at every measured count."""
+def wins_up_to(by_rows: dict[int, dict[str, float]], way: str, against: str) -> int:
+    """The largest row count up to which `way` beats `against` at every measured count."""
     best = 0
     for rows, ms in sorted(by_rows.items()):
-        if ms[f"{scheme} {kernel}"] >= ms[f"{scheme} dequantize"]:
+        if ms[way] >= ms[against]:
             break
         best = rows
     return best
@@ -101,25 +121,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    parser.add_argument("--stream", action="store_true", help="weights from memory, not from the caches")
     args = parser.parse_args()
     if cpu_ops() is None:
         raise SystemExit("error: the CPU kernel is not available here (needs AVX2 and a C++ compiler)")
     shapes = {}
     for name in args.shapes:
         N, K = SHAPES[name]
-        by_rows = {rows: time_shape(N, K, rows, args.repeats) for rows in args.rows}
+        by_rows = {rows: time_shape(N, K, rows, args.repeats, args.stream) for rows in args.rows}
         shapes[name] = {"N": N, "K": K,
                         "ms_per_call": {rows: {w: round(ms, 4) for w, ms in r.items()} for rows, r in by_rows.items()},
                         "speedup_over_fp32": {rows: {w: round(r["fp32"] / ms, 2) for w, ms in r.items() if w != "fp32"}
                                               for rows, r in by_rows.items()},
-                        "kernel_beats_dequantize_up_to_rows": {f"{s} {k}": kernel_wins_up_to(by_rows, s, k)
-                                                               for s in SCHEMES for k in ("kernel", "kernel int8-x")}}
-        print(name, json.dumps(shapes[name]["speedup_over_fp32"]), shapes[name]["kernel_beats_dequantize_up_to_rows"])
+                        "kernel_beats_dequantize_up_to_rows": {f"{s} {k}": wins_up_to(by_rows, f"{s} {k}", f"{s} dequantize")
+                                                               for s in SCHEMES for k in ("kernel", "kernel int8-x")},
+                        "fp32_kernel_beats_fp32_up_to_rows": wins_up_to(by_rows, "fp32 kernel", "fp32")}
+        print(name, json.dumps(shapes[name]["speedup_over_fp32"]), shapes[name]["kernel_beats_dequantize_up_to_rows"],
+              "fp32 kernel beats F.linear up to", shapes[name]["fp32_kernel_beats_fp32_up_to_rows"], "rows")
     shape_names = " ".join(f'"{name}"' for name in args.shapes)
     result = {"command": f"python -m kernels.bench_quant_matmul {args.out} --repeats {args.repeats} "
-                         f"--shapes {shape_names} --rows {' '.join(map(str, args.rows))}",
+                         f"--shapes {shape_names} --rows {' '.join(map(str, args.rows))}" + (" --stream" if args.stream else ""),
               "git_revision": git_revision(), "machine": machine(), "int8_dot_isa": cpu_ops().int8_dot_isa(""),
-              "group_size": GROUP_SIZE, "cpu_kernel_max_rows": CPU_KERNEL_MAX_ROWS, "shapes": shapes}
+              "group_size": GROUP_SIZE, "cpu_kernel_max_rows": CPU_KERNEL_MAX_ROWS,
+              "dense_kernel_max_rows": DENSE_KERNEL_MAX_ROWS, "shapes": shapes}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

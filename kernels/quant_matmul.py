@@ -171,6 +171,26 @@ def quant_matmul_cpu(x, qweight, scales, zeros=None, group_size: int | None = No
         raise
 
 
+# fp32 weights: up to this many rows the kernel's single pass over W beats F.linear on SmolLM2-135M's
+# layers with the weights coming from memory, as in decoding (results/smollm2/quant_matmul_cpu_stream.json:
+# 1.4-4.4x at 1-2 rows, most layers still ahead at 6, behind at 16).
+DENSE_KERNEL_MAX_ROWS = 6
+
+
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for an unquantized weight. For at most DENSE_KERNEL_MAX_ROWS fp32 rows on
+    the CPU without autograd (decoding, verification) it runs the CPU kernel's fp32_matmul, which reads
+    W once for all rows and computes each row alone in one fixed order: a verification pass gives the
+    bits one-token decoding gives. Anything else is F.linear."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (rows <= DENSE_KERNEL_MAX_ROWS and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and x.shape[-1] % CPU_KERNEL_STEP == 0 and weight.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and cpu_ops() is not None):
+        out = cpu_ops().fp32_matmul(x, weight)
+        return out if bias is None else out + bias
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 @functools.cache
 def cpu_ops():
     """The compiled kernel's ops (torch.ops.speculators_forge), or None where it cannot build."""

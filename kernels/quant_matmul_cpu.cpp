@@ -1,6 +1,6 @@
 // The CPU kernel of kernels/quant_matmul.py: y = x @ W^T for few rows of x (decoding, verification)
 // with W read from its int8 (one scale per row, or per group of columns) or packed int4 storage,
-// never materialised in fp32.
+// never materialised in fp32; and the same loop over fp32 weights (fp32_matmul, kernels.dense_matmul).
 //
 // Decoding a large model reads every weight once per token: the matmul is bound by memory
 // bandwidth, so reading 0.5 (int4) or 1 (int8) byte per weight instead of 4 is the speed-up.
@@ -31,6 +31,7 @@ constexpr int kStep = 16;  // weights converted per inner step
 constexpr int kInt4RowTile = 3;  // rows of x sharing one converted step
 constexpr int kInt8RowTile = 4;
 constexpr int kInt8GroupRowTile = 3;  // a group's partial sums take two more registers per row
+constexpr int kFp32RowTile = 6;  // 12 accumulators and the two weight registers of a step
 
 float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -141,6 +142,22 @@ void int8_group_rows(const float* x, int64_t K, const int8_t* q, const float* s,
   for (int r = 0; r < ROWS; ++r) out[r * out_stride] = horizontal_sum(acc[r]);
 }
 
+// fp32 weights (an unquantized layer, decoding): the same loop without a conversion, so one row is
+// bound by reading W and each further row costs two FMAs per 16 weights, not another pass over W.
+template <int ROWS>
+void fp32_rows(const float* x, int64_t K, const float* w, float* out, int64_t out_stride) {
+  __m256 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += kStep) {
+    const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8), w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) out[r * out_stride] = horizontal_sum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
 // Calls fn(rows, m) over x's rows m.. in tiles of TILE rows, the rest in smaller tiles.
 template <int TILE, typename Fn>
 void over_row_tiles(int64_t M, Fn&& fn) {
@@ -247,6 +264,20 @@ at::Tensor int8_group_matmul(const at::Tensor& x, const at::Tensor& qweight, con
   return shaped_like(ops.out, x);
 }
 
+
+at::Tensor fp32_matmul(const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "the weight must be fp32");
+  const at::Tensor xc = rows_of(x, weight, K);
+  const int64_t M = xc.size(0);
+  at::Tensor out = at::empty({M, N}, xc.options());
+  const float *xp = xc.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  over_channels<kFp32RowTile>(M, N, [&](auto rows, int64_t m, int64_t n) {
+    fp32_rows<decltype(rows)::value>(xp + m * K, K, wp + n * K, op + m * N + n, N);
+  });
+  return shaped_like(out, x);
+}
 
 // --- int8 activations: llama.cpp's arithmetic (its Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products) ------
 //
@@ -623,6 +654,7 @@ TORCH_LIBRARY(speculators_forge, m) {
   m.def("int8_group_matmul(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor");
   m.def("int4_matmul_q8(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("int8_matmul_q8(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor");
+  m.def("fp32_matmul(Tensor x, Tensor weight) -> Tensor");
   m.def("int8_dot_isa(str isa) -> str", &int8_dot_isa);  // no tensor to dispatch on: one implementation
 }
 
@@ -632,5 +664,6 @@ TORCH_LIBRARY_IMPL(speculators_forge, CPU, m) {
   m.impl("int8_group_matmul", &int8_group_matmul);
   m.impl("int4_matmul_q8", &int4_matmul_q8);
   m.impl("int8_matmul_q8", &int8_matmul_q8);
+  m.impl("fp32_matmul", &fp32_matmul);
 }
 

@@ -67,7 +67,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from speculators import draft_vocab, export_gguf, gguf_file
 from speculators.config import UserError
-from speculators.layers import column_major_linears, rope_theta
+from speculators.layers import decoding_linears, rope_theta
 
 SPECULATORS_VERSION = "0.3.0"
 SPECULATORS_ARCHITECTURES = {"eagle3": "Eagle3DraftModel", "peagle": "PEagleSpeculator", "dflash": "DFlashSpeculator"}
@@ -434,7 +434,7 @@ def load(path: Path) -> tuple[torch.nn.Module, str | None]:
     missing = [name for name in missing if name not in drafter.left_to_target]  # share_target_embedding fills those
     if missing or unexpected:
         raise UserError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
-    return column_major_linears(drafter), FORMATS[fmt].verifier(config)
+    return decoding_linears(drafter), FORMATS[fmt].verifier(config)
 
 
 def share_target_embedding(drafter, target) -> None:

@@ -24,7 +24,7 @@ from transformers.utils import logging as hf_logging
 
 from speculators import gguf_file
 from speculators.config import UserError, one_of, require
-from speculators.layers import column_major_linears
+from speculators.layers import decoding_linears
 from speculators.quant import QuantConfig, check_gguf_source, quantize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -135,7 +135,7 @@ class FrozenTarget:
             raise UserError(f"cannot load target {cfg.name!r}: {str(e).splitlines()[0]}") from None
         model.config.num_hidden_layers = num_layers  # what the drafter and the exports describe is the whole target
         fingerprint = weights_fingerprint(model)  # of the weights as stored: serving quantized is the same target
-        model = column_major_linears(quantize(model, quant, tokenizer, source))  # faster decoding on CPUs
+        model = decoding_linears(quantize(model, quant, tokenizer, source))  # few-row CPU products through our kernel
         return cls(model, tokenizer, cfg.name, cfg.layer_ids, layers, fingerprint)
 
     @property

@@ -22,7 +22,7 @@ from speculators.config import UserError
 from speculators.eagle import EagleConfig, EagleDrafter
 from speculators.export import Verifier
 from speculators.families import FAMILIES
-from speculators.layers import column_major_linears
+from speculators.layers import decoding_linears
 from train.module import DrafterModule
 from train.optim import OptimConfig
 
@@ -300,12 +300,12 @@ def test_eagle_export_round_trip(target, text_batch, tmp_path):
     assert not loaded.embed_tokens.weight.requires_grad and not loaded.lm_head.weight.requires_grad
     assert torch.equal(loaded.d2t, drafter.d2t) and torch.equal(loaded.t2d, drafter.t2d)
 
-    # The loaded drafter serves exactly as the saved one in the layout export.load gives it: a prefix,
+    # The loaded drafter serves exactly as the saved one, both as export.load serves them: a prefix,
     # then a chain of its own outputs.
     ids = text_batch[:1, :20]
     features = target(ids).last_hidden
     results = []
-    for model in (column_major_linears(drafter), loaded.eval()):
+    for model in (decoding_linears(drafter), loaded.eval()):
         cache = model.new_cache(1, 32)
         logits, hidden = model.step(cache, ids[:, 1:], features[:, :-1])
         chain = [logits, hidden]

@@ -21,7 +21,7 @@ from speculators import export
 from speculators.config import UserError, to_dataclass
 from speculators.export import Verifier
 from speculators.families import family
-from speculators.layers import column_major_linears
+from speculators.layers import decoding_linears
 from speculators.medusa import DEFAULT_TREE, MedusaConfig, MedusaDrafter
 
 K = 3
@@ -194,7 +194,7 @@ def test_export_round_trip_gives_back_a_drafter_that_serves_identically(target, 
     original, restored = drafter.state_dict(), loaded.state_dict()
     assert original.keys() == restored.keys() and all(torch.equal(original[n], restored[n]) for n in original)
     x = target(text_batch).last_hidden[:, -1]
-    column_major_linears(drafter)  # the layout export.load serves in
+    decoding_linears(drafter)  # as export.load serves it
     assert torch.equal(drafter.head_logits(x), loaded.eval().head_logits(x))
     prompt = text_batch[0, :12].tolist()
     for mode in ("chain", "tree"):

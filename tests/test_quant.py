@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import LAYER_IDS, run_interpreted_tests
 from torch import nn
 
@@ -40,8 +41,10 @@ from inference.engine import generate
 from kernels import quant_matmul, quant_matmul_reference, quant_matmul_triton
 from kernels.quant_matmul import (
     CPU_KERNEL_MAX_ROWS,
+    DENSE_KERNEL_MAX_ROWS,
     cpu_kernel_applies,
     cpu_ops,
+    dense_matmul,
     dequantize,
     pack_int4,
     quant_matmul_cpu,
@@ -49,6 +52,7 @@ from kernels.quant_matmul import (
 )
 from speculators.config import UserError
 from speculators.gptq import gptq_int4
+from speculators.layers import DecodingLinear, decoding_linears
 from speculators.quant import (
     ACT_LEVELS,
     CPU_MATMULS,
@@ -483,6 +487,30 @@ def test_cpu_kernel_rows_are_independent_of_batch_and_threads(weights):
         assert torch.equal(quant_matmul_cpu(x, *stored_w), batch)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_cpu_kernel
+def test_fp32_weights_run_the_kernel_for_few_rows_one_row_at_a_time():
+    """kernels.dense_matmul: F.linear's values; up to DENSE_KERNEL_MAX_ROWS rows each row alone (a
+    verification pass gives one-token decoding's bits); more rows, or autograd, are F.linear itself."""
+    layer = linear(48, 96)
+    x = torch.randn(DENSE_KERNEL_MAX_ROWS + 1, 96)
+    with torch.no_grad():
+        few = dense_matmul(x[:6], layer.weight, layer.bias)
+        torch.testing.assert_close(few, F.linear(x[:6], layer.weight, layer.bias), **TOL)
+        for i in range(6):
+            assert torch.equal(dense_matmul(x[i:i + 1], layer.weight, layer.bias), few[i:i + 1]), i
+        assert torch.equal(dense_matmul(x, layer.weight, layer.bias), F.linear(x, layer.weight, layer.bias))
+    assert dense_matmul(x[:1], layer.weight.detach().requires_grad_()).requires_grad  # wants a gradient: F.linear
+
+
+def test_decoding_linears_keep_parameters_and_ties(llama_target):
+    model = copy.deepcopy(llama_target.model)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as SmolLM2's are
+    before = model.state_dict()
+    decoding_linears(model)
+    assert type(model.lm_head) is DecodingLinear and model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
 
 
 def test_cpu_kernel_that_cannot_build_warns_and_leaves_the_reference(monkeypatch):
