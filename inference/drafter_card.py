@@ -123,10 +123,8 @@ def measure(cfg: DrafterCardConfig) -> dict:
     served = QuantConfig(**record.get("quant", {}))
     drafter, packed = report.load_pair(cfg.drafter, quant=served)
     k = speculative_tokens(drafter, None)
-    recipe = Path(cfg.drafter) / "RECIPE.md"
     card = {"drafter": cfg.drafter, "target": packed.name_or_path, "served_quant": asdict(served), "k": k,
-            "training": record, "recipe": recipe.read_text() if recipe.is_file() else None, "config": asdict(cfg),
-            "acceptance": {}}
+            "training": record, "config": asdict(cfg), "acceptance": {}}
     for name, (eval_cfg, mode, temperature) in acceptance_sets(cfg).items():
         card["acceptance"][name] = serve(packed, drafter, served, eval_cfg, mode, temperature, cfg.max_new_tokens,
                                          cfg.drafter)
@@ -186,6 +184,8 @@ def markdown(card: dict) -> str:
 def main(cfg: DictConfig) -> None:
     cfg = to_dataclass(DrafterCardConfig, cfg)
     card = measure(cfg)
+    recipe = Path(cfg.drafter) / "RECIPE.md"  # read after measuring: an edit made meanwhile is the one written
+    card["recipe"] = recipe.read_text() if recipe.is_file() else None
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "card.json").write_text(json.dumps(card, indent=2))
