@@ -145,10 +145,11 @@ def check_inputs(x, qweight, scales, zeros, group_size) -> None:
 # --- CPU path ----------------------------------------------------------------------------------
 
 
-def cpu_kernel_applies(x: torch.Tensor, group_size: int | None, int8_activations: bool = False) -> bool:
+def cpu_kernel_applies(x: torch.Tensor, group_size: int | None, int8_activations: bool = False,
+                       max_rows: int = CPU_KERNEL_MAX_ROWS) -> bool:
     rows = x.numel() // max(x.shape[-1], 1)
     step = ACT_BLOCK if int8_activations else CPU_KERNEL_STEP
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and rows <= CPU_KERNEL_MAX_ROWS
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and rows <= max_rows
             and x.shape[-1] % step == 0 and (group_size is None or group_size % step == 0)
             and cpu_ops() is not None)
 
@@ -182,10 +183,9 @@ def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     the CPU without autograd (decoding, verification) it runs the CPU kernel's fp32_matmul, which reads
     W once for all rows and computes each row alone in one fixed order: a verification pass gives the
     bits one-token decoding gives. Anything else is F.linear."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if (rows <= DENSE_KERNEL_MAX_ROWS and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-            and x.shape[-1] % CPU_KERNEL_STEP == 0 and weight.is_contiguous()
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and cpu_ops() is not None):
+    if (weight.dtype == torch.float32 and weight.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and cpu_kernel_applies(x, None, max_rows=DENSE_KERNEL_MAX_ROWS)):
         out = cpu_ops().fp32_matmul(x, weight)
         return out if bias is None else out + bias
     return torch.nn.functional.linear(x, weight, bias)
