@@ -10,7 +10,11 @@ repeat so every method sees the same machine load; figures are medians over repe
   K-token chains and (for drafters that have one) tree drafts; K = num_speculative_tokens, or
   the drafter's own (the depth it was trained for) when null;
 - hf_greedy: transformers' generate (for reference: how fast the stock loop is);
-- hf_prompt_lookup: transformers' prompt-lookup decoding (n-gram drafts from the prompt);
+- speculative_chain_k<K>_lookup: chains of K behind n-gram lookup (inference.drafting.LookupProposer: a
+  lookup chain when the context's last n tokens occurred before, the drafter's chain otherwise), for each
+  K in lookup_chain_lengths;
+- hf_prompt_lookup: transformers' prompt-lookup decoding (n-gram drafts from the context, the same
+  longest n-gram and lookup chain length);
 - hf_assisted: transformers' assisted generation with a small draft model (default: the shipped
   models/pycode-assistant, which shares the default target's tokenizer; assistant=null skips it).
 """
@@ -24,7 +28,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from inference import evalsets, rounds
+from inference import drafting, evalsets, rounds
 from inference.drafting import speculative_tokens
 from inference.evalsets import EvalConfig
 from speculators.config import at_least, exit_on_user_error, register_group, require, run_cli, to_dataclass
@@ -44,7 +48,10 @@ class BenchConfig:
     chain_lengths: list[int] = field(default_factory=list)  # more chain lengths K to time beside the drafter's own
     tree_top_k: int = 4  # as in inference.drafting.DraftingConfig
     tree_total_tokens: int = 16
-    prompt_lookup_tokens: int = 10
+    lookup_chain_lengths: list[int] = field(default_factory=list)  # K of chains behind n-gram lookup, e.g. [1]
+    prompt_lookup_max: int = 3  # the longest n-gram matched (ours, and transformers' max_matching_ngram_size)
+    prompt_lookup_min: int = 2  # ours: the shortest (transformers' goes down to 1)
+    prompt_lookup_tokens: int = 5  # tokens in a lookup chain (ours, and transformers' prompt_lookup_num_tokens)
     repeats: int = 3
     out: str | None = None
 
@@ -52,20 +59,27 @@ class BenchConfig:
         require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 1, "num_speculative_tokens",
                 self.num_speculative_tokens, ">= 1, or null for the drafter's own")
         at_least(1, max_new_tokens=self.max_new_tokens, prompt_lookup_tokens=self.prompt_lookup_tokens,
-                 repeats=self.repeats)
-        require(all(k >= 1 for k in self.chain_lengths), "chain_lengths", self.chain_lengths, "chain lengths >= 1")
+                 prompt_lookup_max=self.prompt_lookup_max, repeats=self.repeats)
+        self.lookup()  # validates the lookup settings
+        for key in ("chain_lengths", "lookup_chain_lengths"):
+            require(all(k >= 1 for k in getattr(self, key)), key, getattr(self, key), "chain lengths >= 1")
+
+    def lookup(self) -> "drafting.DraftingConfig":
+        """Chains behind n-gram lookup, as these settings draft them."""
+        return drafting.DraftingConfig(prompt_lookup_max=self.prompt_lookup_max,
+                                       prompt_lookup_min=self.prompt_lookup_min,
+                                       prompt_lookup_tokens=self.prompt_lookup_tokens)
 
 
 def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
     """name -> function(prompt ids) -> generated ids (cfg.num_speculative_tokens set: run() resolves it)."""
-    from inference import drafting
     from inference.engine import generate
 
     hf = dict(do_sample=False, max_new_tokens=cfg.max_new_tokens,
               pad_token_id=target.tokenizer.pad_token_id)
 
-    def speculative(mode: str, k: int):
-        how = drafting.DraftingConfig(mode, cfg.tree_top_k, cfg.tree_total_tokens)
+    def speculative(mode: str, k: int, how: drafting.DraftingConfig | None = None):
+        how = how or drafting.DraftingConfig(mode, cfg.tree_top_k, cfg.tree_total_tokens)
         return lambda ids: generate(target, drafter, ids, cfg.max_new_tokens, k, drafting=how).tokens
 
     def hf_generate(ids, **extra):
@@ -77,8 +91,10 @@ def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
         **{f"speculative_{mode}": speculative(mode, cfg.num_speculative_tokens)
            for mode in cfg.modes or drafting.modes(drafter)},
         **{f"speculative_chain_k{k}": speculative("chain", k) for k in cfg.chain_lengths},
+        **{f"speculative_chain_k{k}_lookup": speculative("chain", k, cfg.lookup()) for k in cfg.lookup_chain_lengths},
         "hf_greedy": hf_generate,
-        "hf_prompt_lookup": lambda ids: hf_generate(ids, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens),
+        "hf_prompt_lookup": lambda ids: hf_generate(ids, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens,
+                                                    max_matching_ngram_size=cfg.prompt_lookup_max),
     }
     if assistant is not None:
         runs["hf_assisted"] = lambda ids: hf_generate(ids, assistant_model=assistant)
@@ -99,8 +115,8 @@ def run(target, drafter, assistant, prompts: list[list[int]], cfg: BenchConfig) 
 
 
 def chain_length(method: str, cfg: BenchConfig) -> int:
-    """K of a speculative method: speculative_chain_k<K> or the run's own."""
-    return int(method.rsplit("_k", 1)[1]) if "_k" in method else cfg.num_speculative_tokens
+    """K of a speculative method: speculative_chain_k<K>[_lookup] or the run's own."""
+    return int(method.rsplit("_k", 1)[1].removesuffix("_lookup")) if "_k" in method else cfg.num_speculative_tokens
 
 
 def load_assistant(path: str | None, target):
@@ -116,9 +132,9 @@ def load_assistant(path: str | None, target):
 
 
 def table(rows: dict) -> str:
-    lines = [f"{'method':<18} {'tokens/s':>9} {'speed-up':>9} {'same output':>12}"]
+    lines = [f"{'method':<28} {'tokens/s':>9} {'speed-up':>9} {'same output':>12}"]
     for name, row in rows.items():
-        lines.append(f"{name:<18} {row['tokens_per_second']:>9.1f} {row['speedup']:>8.2f}x "
+        lines.append(f"{name:<28} {row['tokens_per_second']:>9.1f} {row['speedup']:>8.2f}x "
                      f"{str(row['outputs_match_target_only']):>12}")
     return "\n".join(lines)
 

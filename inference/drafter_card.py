@@ -6,10 +6,12 @@ Every figure comes from this run. Acceptance comes from the one evaluation loop 
 `measure`: tau, acceptance per position, outputs against target-only decoding), speed from the
 interleaved benchmark (inference/bench.py `run`). Served on the target the drafter was trained
 against (training.json's quant, e.g. gguf: the file's own 4-bit blocks):
-- acceptance: MT-bench first and second turns in chains of K, first turns in trees, ShareGPT's test
-  split, and MT-bench first turns at temperature 1 (lossless sampling);
+- acceptance: MT-bench first and second turns in chains of K, alone and behind n-gram lookup
+  (inference.drafting.LookupProposer), first turns in trees, ShareGPT's test split, and MT-bench first
+  turns at temperature 1 (lossless sampling);
 - speed on MT-bench first turns, on the fp32 target and on the served (packed) one: target-only
-  decoding in our engine, speculative chains and trees, transformers' generate and prompt lookup;
+  decoding in our engine, speculative chains and trees, chains behind n-gram lookup, transformers'
+  generate and prompt lookup;
   with the time split of a chain and the bound tau / (1 + K c) its measured costs set;
 - llama.cpp on the same GGUF (a target served from one): its plain decoding, n-gram speculation and this
   drafter exported as GGUF, beside our engine (inference/llamacpp_bench.py);
@@ -36,7 +38,7 @@ from speculators.quant import QuantConfig
 from speculators.target import FrozenTarget, TargetConfig
 
 KEPT = ("acceptance_length", "acceptance_rate_per_position", "num_prompts", "num_drafts", "num_draft_tokens",
-        "num_accepted_tokens", "outputs_match_baseline",
+        "num_accepted_tokens", "lookup_drafts", "lookup_accepted_tokens", "outputs_match_baseline",
         "tokens_per_second", "baseline_tokens_per_second", "speedup", "time_split_s")
 
 
@@ -51,29 +53,38 @@ class DrafterCardConfig:
     speed_prompts: int = 4  # MT-bench first turns in the speed benchmark
     repeats: int = 3
     chain_lengths: list[int] = field(default_factory=lambda: [1, 2, 3])  # shorter chains timed beside K
+    lookup_chain_lengths: list[int] = field(default_factory=lambda: [1, 5])  # K of chains behind n-gram lookup timed
     check_prompts: int = 3  # what the shipped-drafter test serves again
     check_new_tokens: int = 48
 
     def __post_init__(self):
-        require(all(k >= 1 for k in self.chain_lengths), "chain_lengths", self.chain_lengths, "chain lengths >= 1")
+        for key in ("chain_lengths", "lookup_chain_lengths"):
+            require(all(k >= 1 for k in getattr(self, key)), key, getattr(self, key), "chain lengths >= 1")
         at_least(1, num_prompts=self.num_prompts, max_new_tokens=self.max_new_tokens, speed_prompts=self.speed_prompts,
                  repeats=self.repeats, check_prompts=self.check_prompts, check_new_tokens=self.check_new_tokens)
 
 
-def acceptance_sets(cfg: DrafterCardConfig) -> dict[str, tuple[EvalConfig, str, float]]:
-    """name -> (eval set, drafting mode, temperature)."""
+def acceptance_sets(cfg: DrafterCardConfig) -> dict[str, tuple[EvalConfig, DraftingConfig, float]]:
+    """name -> (eval set, drafting, temperature)."""
     mtbench = EvalConfig("mtbench", num_prompts=cfg.num_prompts, turns=1)
-    return {"mtbench_chain": (replace(mtbench, turns=2), "chain", 0.0),
-            "mtbench_turn1_tree": (mtbench, "tree", 0.0),
-            "sharegpt_chain": (EvalConfig("sharegpt", num_prompts=cfg.num_prompts), "chain", 0.0),
-            "mtbench_turn1_temperature1": (mtbench, "chain", 1.0)}
+    chain = DraftingConfig("chain")
+    return {"mtbench_chain": (replace(mtbench, turns=2), chain, 0.0),
+            "mtbench_chain_lookup": (replace(mtbench, turns=2), lookup(cfg), 0.0),
+            "mtbench_turn1_tree": (mtbench, DraftingConfig("tree"), 0.0),
+            "sharegpt_chain": (EvalConfig("sharegpt", num_prompts=cfg.num_prompts), chain, 0.0),
+            "mtbench_turn1_temperature1": (mtbench, chain, 1.0)}
 
 
-def serve(target, drafter, served: QuantConfig, eval_cfg: EvalConfig, mode: str, temperature: float,
+def lookup(cfg: DrafterCardConfig) -> DraftingConfig:
+    """Chains behind n-gram lookup, as the speed benchmark drafts them."""
+    return bench.BenchConfig(drafter=cfg.drafter).lookup()
+
+
+def serve(target, drafter, served: QuantConfig, eval_cfg: EvalConfig, drafting: DraftingConfig, temperature: float,
           max_new_tokens: int, drafter_path: str) -> dict:
     """The acceptance report's figures (and per-turn tau) on one eval set."""
     cfg = report.InferenceConfig(drafter=drafter_path, quant=served, eval=eval_cfg, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, drafting=DraftingConfig(mode))
+                                 temperature=temperature, drafting=drafting)
     result = report.measure(target, drafter, evalsets.prompts(eval_cfg, target, max_new_tokens), cfg)
     figures = {key: result[key] for key in KEPT} | {
         "draft_vocabulary_coverage": vocabulary_coverage(drafter, [r["baseline_output_ids"] for r in result["prompts"]])}
@@ -87,12 +98,13 @@ def serve(target, drafter, served: QuantConfig, eval_cfg: EvalConfig, mode: str,
 
 def speed(target, drafter, cfg: DrafterCardConfig) -> dict:
     """bench.run on MT-bench first turns: tokens/s and speed-up over our own target-only decoding, for
-    chains of the drafter's K, trees, and the shorter chains cfg.chain_lengths."""
+    chains of the drafter's K, trees, the shorter chains cfg.chain_lengths and chains behind n-gram lookup."""
     eval_cfg = EvalConfig("mtbench", num_prompts=cfg.speed_prompts, turns=1)
     prompts = [p.ids for p in evalsets.prompts(eval_cfg, target, cfg.max_new_tokens)]
     shorter = [k for k in cfg.chain_lengths if k != drafter.num_speculative_tokens]
     bench_cfg = bench.BenchConfig(drafter=cfg.drafter, eval=eval_cfg, max_new_tokens=cfg.max_new_tokens,
-                                  repeats=cfg.repeats, chain_lengths=shorter)
+                                  repeats=cfg.repeats, chain_lengths=shorter,
+                                  lookup_chain_lengths=cfg.lookup_chain_lengths)
     return bench.run(target, drafter, None, prompts, bench_cfg)
 
 
@@ -124,19 +136,26 @@ def measure(cfg: DrafterCardConfig) -> dict:
     drafter, packed = report.load_pair(cfg.drafter, quant=served)
     k = speculative_tokens(drafter, None)
     card = {"drafter": cfg.drafter, "target": packed.name_or_path, "served_quant": asdict(served), "k": k,
-            "training": record, "config": asdict(cfg), "acceptance": {}}
-    for name, (eval_cfg, mode, temperature) in acceptance_sets(cfg).items():
-        card["acceptance"][name] = serve(packed, drafter, served, eval_cfg, mode, temperature, cfg.max_new_tokens,
+            "training": record, "config": asdict(cfg), "lookup": asdict(lookup(cfg)), "acceptance": {}}
+    for name, (eval_cfg, drafting, temperature) in acceptance_sets(cfg).items():
+        card["acceptance"][name] = serve(packed, drafter, served, eval_cfg, drafting, temperature, cfg.max_new_tokens,
                                          cfg.drafter)
     card["chain_costs"] = bound(card["acceptance"]["mtbench_chain"]["per_turn"]["1"], k)
     check_cfg = EvalConfig("mtbench", num_prompts=cfg.check_prompts, turns=1)
-    card["check"] = serve(packed, drafter, served, check_cfg, "chain", 0.0, cfg.check_new_tokens, cfg.drafter)
+    card["check"] = serve(packed, drafter, served, check_cfg, DraftingConfig("chain"), 0.0, cfg.check_new_tokens,
+                          cfg.drafter)
     card["speed"] = {"packed": speed(packed, drafter, cfg)}
     card["llamacpp"] = llamacpp_comparison(packed, drafter, cfg)
     fp32 = FrozenTarget.load(TargetConfig.named(packed.name_or_path, layer_ids=drafter.layer_ids))
     card["speed"]["fp32"] = speed(fp32, drafter, cfg)
     card |= {"git_revision": report.git_revision(), "machine": report.machine()}
     return card
+
+
+def lookup_settings(card: dict) -> str:
+    lookup_cfg = card["lookup"]
+    return (f"n-grams of {lookup_cfg['prompt_lookup_max']} down to {lookup_cfg['prompt_lookup_min']} tokens, "
+            f"lookup chains of up to {lookup_cfg['prompt_lookup_tokens']}")
 
 
 def markdown(card: dict) -> str:
@@ -151,8 +170,11 @@ def markdown(card: dict) -> str:
              "## Acceptance (greedy unless said; outputs compared with target-only decoding)", "",
              "| eval set | drafting | tau | acceptance per position | same output | target tokens in the draft vocabulary |",
              "|---|---|---|---|---|---|"]
+    lookup_chain = "chain behind n-gram lookup"
     rows = [("MT-bench turn 1", "chain", acc["mtbench_chain"]["per_turn"]["1"]),
             ("MT-bench turn 2", "chain", acc["mtbench_chain"]["per_turn"]["2"]),
+            ("MT-bench turn 1", lookup_chain, acc["mtbench_chain_lookup"]["per_turn"]["1"]),
+            ("MT-bench turn 2", lookup_chain, acc["mtbench_chain_lookup"]["per_turn"]["2"]),
             ("MT-bench turn 1", "tree", acc["mtbench_turn1_tree"]),
             ("ShareGPT test", "chain", acc["sharegpt_chain"]),
             ("MT-bench turn 1, temperature 1", "chain", acc["mtbench_turn1_temperature1"])]
@@ -162,6 +184,8 @@ def markdown(card: dict) -> str:
         coverage = f"{f['draft_vocabulary_coverage']:.1%}" if "draft_vocabulary_coverage" in f else "-"
         lines.append(f"| {name} ({f['num_prompts']} prompts) | {mode} | {f['acceptance_length']:.2f} | {curve} | {same} "
                      f"| {coverage} |")
+    lines += ["", f"Behind n-gram lookup (K={k}; {lookup_settings(card)}), both turns:"
+              f" {report.lookup_line(acc['mtbench_chain_lookup']).strip()}."]
     lines += ["", "## Speed (MT-bench first turns, greedy, batch 1, interleaved, median of repeats)", "",
               "| target | method | tokens/s | speed-up | same output |", "|---|---|---|---|---|"]
     for target, rows_ in card["speed"].items():

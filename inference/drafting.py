@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.sessions import open_session
-from speculators.config import UserError, at_least, one_of
+from speculators.config import UserError, at_least, one_of, require
 from speculators.target import TargetOutput
 
 
@@ -36,10 +36,17 @@ class DraftingConfig:
     mode: str = "chain"  # chain: K tokens in a row; tree: EAGLE-2 dynamic tree / Medusa candidate tree (greedy only)
     tree_top_k: int = 4  # EAGLE-2: children expanded per node, and frontier width per depth
     tree_total_tokens: int = 16  # EAGLE-2: nodes kept (verified) after reranking by cumulative log-probability
+    prompt_lookup_max: int = 0  # > 0: draft a chain by n-gram lookup when one matches (LookupProposer), else the drafter
+    prompt_lookup_min: int = 2  # the shortest n-gram that counts as a match
+    prompt_lookup_tokens: int | None = None  # tokens in a lookup chain; None: K
 
     def __post_init__(self):
         one_of("drafting.mode", self.mode, ("chain", "tree"))
-        at_least(1, drafting__tree_top_k=self.tree_top_k, drafting__tree_total_tokens=self.tree_total_tokens)
+        at_least(1, drafting__tree_top_k=self.tree_top_k, drafting__tree_total_tokens=self.tree_total_tokens,
+                 drafting__prompt_lookup_min=self.prompt_lookup_min)
+        require(self.prompt_lookup_max == 0 or self.prompt_lookup_max >= self.prompt_lookup_min,
+                "drafting.prompt_lookup_max", self.prompt_lookup_max,
+                f"0 (off) or at least drafting.prompt_lookup_min={self.prompt_lookup_min}")
 
 
 @dataclass
@@ -47,10 +54,11 @@ class Draft:
     tokens: list[int]  # target-vocab ids, parents before children
     parents: list[int]  # index of each node's parent in `tokens`; -1 = the root
     probs: torch.Tensor | None = None  # [n, V] draft distribution q per node (chain sampling only)
+    looked_up: bool = False  # an n-gram lookup's chain (LookupProposer), not the drafter's
 
     @classmethod
-    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> "Draft":
-        return cls(tokens, list(range(-1, len(tokens) - 1)), probs)
+    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None, looked_up: bool = False) -> "Draft":
+        return cls(tokens, list(range(-1, len(tokens) - 1)), probs, looked_up)
 
     @property
     def is_chain(self) -> bool:
@@ -216,8 +224,59 @@ def make_proposer(drafter, k: int, vocab_size: int, max_len: int, drafting: Draf
     if drafting.mode not in modes(drafter):
         raise UserError(f"drafting.mode={drafting.mode!r} is not available for a {type(drafter).__name__}; "
                         f"allowed: {', '.join(modes(drafter))}")
-    kind = drafter.drafting_kind
-    return PROPOSERS[kind, drafting.mode](drafter, k, vocab_size, max_len, drafting)
+    proposer = PROPOSERS[drafter.drafting_kind, drafting.mode](drafter, k, vocab_size, max_len, drafting)
+    if drafting.prompt_lookup_max:
+        return LookupProposer(proposer, k, vocab_size, drafting)
+    return proposer
+
+
+class LookupProposer:
+    """N-gram lookup in front of a drafter (prompt lookup, Saxena 2023; vLLM's ngram; the suffix
+    matching of SuffixDecoding and Arctic Inference's hybrid): when the last n tokens of the
+    context (prompt and emitted tokens), n from prompt_lookup_max down to prompt_lookup_min,
+    occurred before, the chain is the up to K tokens that followed their latest occurrence;
+    otherwise the drafter proposes. Small targets loop and quote their prompt, where a lookup is
+    right more often than the drafter and costs no drafter pass. The drafter still reads every
+    accepted position, so its cache stays whole. A lookup draft is a point mass: q(x) = 1, so
+    rejection sampling accepts it with probability p(x) and stays lossless."""
+
+    def __init__(self, drafter_proposer, k: int, vocab_size: int, drafting: DraftingConfig):
+        self.inner, self.k, self.vocab_size = drafter_proposer, drafting.prompt_lookup_tokens or k, vocab_size
+        self.sizes = range(drafting.prompt_lookup_max, drafting.prompt_lookup_min - 1, -1)
+        self.context: list[int] = []
+        self.last_seen: dict[tuple, int] = {}  # n-gram -> where the token after its latest occurrence is
+
+    def prefill(self, prompt: list[int], token: int, target_out: TargetOutput) -> None:
+        self.extend(prompt + [token])
+        self.inner.prefill(prompt, token, target_out)
+
+    def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
+        self.extend(new_tokens)
+        self.inner.accept(new_tokens, target_out)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index the n-grams that now have a token after them (the context's own suffix stays out)."""
+        start = len(self.context)
+        self.context += tokens
+        for end in range(max(start, 1), len(self.context)):
+            for n in self.sizes:
+                if end >= n:
+                    self.last_seen[tuple(self.context[end - n : end])] = end
+
+    def propose(self, temperature: float, generator: torch.Generator) -> Draft:
+        for n in self.sizes:
+            after = self.last_seen.get(tuple(self.context[-n:]))
+            if after is not None:
+                tokens = self.context[after : after + self.k]
+                return Draft.chain(tokens, point_masses(tokens, self.vocab_size) if temperature else None, True)
+        return self.inner.propose(temperature, generator)
+
+
+def point_masses(tokens: list[int], vocab_size: int) -> torch.Tensor:
+    """[n, V]: q of a draft that is certain of each token."""
+    q = torch.zeros(len(tokens), vocab_size)
+    q[torch.arange(len(tokens)), tokens] = 1.0
+    return q
 
 
 class ParallelProposer(DrafterCacheProposer):

@@ -20,6 +20,7 @@ Batches (generate_batch): B prompts decoded together, chains only; a batch of on
 `generate` itself, unchanged. See generate_batch for the scheme and why it stays exact.
 """
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -41,7 +42,9 @@ class Stats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0  # committed: in a batch, each row's accepted drafts cut to the batch's common advance
     row_accepted_tokens: int = 0  # what each row's own verification accepted; = num_accepted_tokens at batch 1
-    accepted_at: list[int] = field(default_factory=list)  # drafts whose token i was accepted, i = 1..k
+    lookup_drafts: int = 0  # of num_drafts, n-gram lookup chains (drafting.prompt_lookup_max)
+    lookup_accepted_tokens: int = 0  # of num_accepted_tokens, in lookup chains
+    accepted_at: list[int] = field(default_factory=list)  # drafts whose token i was accepted, i = 1..the longest
     target_forwards: int = 0
     ttft_s: float = 0.0
     decode_s: float = 0.0  # after the first token; of which:
@@ -53,10 +56,12 @@ class Stats:
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.k
 
-    def record(self, accepted: int, proposed: int, row_accepted: int | None = None) -> None:
+    def record(self, accepted: int, proposed: int, row_accepted: int | None = None, looked_up: bool = False) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
+        self.lookup_drafts += looked_up
+        self.lookup_accepted_tokens += accepted if looked_up else 0
         self.row_accepted_tokens += accepted if row_accepted is None else row_accepted
         for i in range(accepted):
             self.accepted_at[i] += 1
@@ -73,10 +78,10 @@ class Stats:
         return [a / max(self.num_drafts, 1) for a in self.accepted_at]
 
     def add(self, other: "Stats") -> None:
-        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "row_accepted_tokens", "target_forwards", "ttft_s", "decode_s",
-                     "draft_s", "verify_s"):
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "row_accepted_tokens", "lookup_drafts",
+                     "lookup_accepted_tokens", "target_forwards", "ttft_s", "decode_s", "draft_s", "verify_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
+        self.accepted_at = [a + b for a, b in itertools.zip_longest(self.accepted_at, other.accepted_at, fillvalue=0)]
         self.token_latencies_s += other.token_latencies_s
 
     def emitted(self, counts: list[int], seconds: float) -> None:
@@ -140,9 +145,10 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
     k = k if drafter is not None else 0
     generator = torch.Generator().manual_seed(seed)
     eos = target.tokenizer.eos_token_id
-    widest = drafting.tree_total_tokens if drafting.mode == "tree" else k  # draft nodes in one verify pass
+    lookup = (drafting.prompt_lookup_tokens or k) if drafting.prompt_lookup_max else 0  # a lookup chain's length
+    widest = max(drafting.tree_total_tokens if drafting.mode == "tree" else k, lookup)  # draft nodes in one pass
     max_len = len(prompt) + max_new_tokens + 1 + (widest if k else 0)
-    stats, session = Stats(k), open_session(target, max_len)
+    stats, session = Stats(max(k, lookup)), open_session(target, max_len)
     started = time.perf_counter()
     out = session(torch.tensor([prompt]))
     token = pick(out.logits[0, -1], temperature, generator)
@@ -169,7 +175,7 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
         stats.verify_s += time.perf_counter() - verifying
         stats.target_forwards += 1
         path, token = verify(draft, out.logits[0], temperature, generator, tolerance)
-        stats.record(len(path), len(draft.tokens))
+        stats.record(len(path), len(draft.tokens), looked_up=draft.looked_up)
         rows = [0] + [node + 1 for node in path]  # the root and the accepted nodes
         session.keep(start, rows)  # forget the rejected drafts
         new = [draft.tokens[node] for node in path] + [token]
@@ -227,6 +233,9 @@ def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_
     if drafting.mode == "tree":
         raise UserError(f"drafting.mode=tree decodes one prompt at a time; {len(prompts)} prompts in a batch need "
                         f"drafting.mode=chain (or batch_size=1)")
+    if drafting.prompt_lookup_max:
+        raise UserError(f"drafting.prompt_lookup_max={drafting.prompt_lookup_max}: n-gram lookup drafts one prompt at "
+                        f"a time; use batch_size=1 (or drafting.prompt_lookup_max=0)")
     longest = max(len(prompt) for prompt in prompts)
     limit = target.config.max_position_embeddings
     if longest + max_new_tokens + k + 1 > limit:

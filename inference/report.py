@@ -177,6 +177,8 @@ class Tally:
             "num_drafts": spec.num_drafts,
             "num_draft_tokens": spec.num_draft_tokens,
             "num_accepted_tokens": spec.num_accepted_tokens,
+            "lookup_drafts": spec.lookup_drafts,  # n-gram lookup chains among the drafts (drafting.prompt_lookup_max)
+            "lookup_accepted_tokens": spec.lookup_accepted_tokens,
             "target_forwards": spec.target_forwards,
             "baseline_target_forwards": base.target_forwards,
             "tokens_per_second": spec_speed,
@@ -258,11 +260,21 @@ def log_to_wandb(report: dict, cfg: LoggerConfig, out_dir: Path) -> None:
     run.finish()
 
 
+def lookup_line(report: dict) -> str:
+    """How the drafts split between n-gram lookup chains and the drafter's (drafting.prompt_lookup_max)."""
+    looked_up, drafts = report["lookup_drafts"], report["num_drafts"]
+    own = drafts - looked_up
+    return (f"  n-gram lookup drafted {looked_up} of {drafts} ({looked_up / drafts:.0%}), tau there "
+            f"{1 + report['lookup_accepted_tokens'] / looked_up:.3f}; the drafter's tau "
+            f"{1 + (report['num_accepted_tokens'] - report['lookup_accepted_tokens']) / max(own, 1):.3f}")
+
+
 def table(report: dict) -> str:
     lines = [f"{'position':>8} {'acceptance':>10}"]
     lines += [f"{i:>8} {rate:>10.3f}" for i, rate in enumerate(report["acceptance_rate_per_position"], 1)]
     lines += [
         f"acceptance length tau: {report['acceptance_length']:.3f} over {report['num_drafts']} drafts",
+        *([lookup_line(report)] if report["lookup_drafts"] else []),
         *[f"  turn {turn}: tau {figures['acceptance_length']:.3f}, speed-up {figures['speedup']:.2f}x "
           f"({figures['num_prompts']} prompts)" for turn, figures in (report["per_turn"] or {}).items()],
         f"tokens/s: {report['tokens_per_second']:.1f} speculative vs {report['baseline_tokens_per_second']:.1f} "

@@ -26,7 +26,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from inference import engine
-from inference.engine import check_pair, generate, verify_sampling
+from inference.drafting import DraftingConfig
+from inference.engine import Stats, check_pair, generate, verify_sampling
 from inference.sessions import HFSession, open_session
 from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
@@ -366,17 +367,19 @@ def test_generate_samples_the_target_distribution_end_to_end():
     check_two_token_law(target, Eagle3Drafter.from_target(Eagle3Config(draft_vocab_size=6), target, counts))
 
 
-def check_two_token_law(target: FrozenTarget, drafter, k: int = 3, runs: int = 2000) -> None:
+def check_two_token_law(target: FrozenTarget, drafter, k: int = 3, runs: int = 2000, prompt=(1, 5, 2, 7),
+                        drafting: DraftingConfig | None = None) -> Stats:
     """Sampled speculative decoding of (x1, x2) after a fixed prompt, over `runs` seeds, passes a
-    chi-square test against the target's joint law, with drafts both accepted and rejected often."""
-    V, prompt = target.vocab_size, [1, 5, 2, 7]
+    chi-square test against the target's joint law, with drafts both accepted and rejected often.
+    Returns the counters of all runs."""
+    V, prompt = target.vocab_size, list(prompt)
     seen = torch.zeros(V, V)
-    accepted = drafts = 0
+    stats = Stats(k)
     for seed in range(runs):
-        g = generate(target, drafter, prompt, 3, k=k, temperature=1.0, seed=seed)
+        g = generate(target, drafter, prompt, 3, k=k, temperature=1.0, seed=seed, drafting=drafting)
         seen[g.tokens[1], g.tokens[2]] += 1
-        accepted, drafts = accepted + g.stats.num_accepted_tokens, drafts + g.stats.num_drafts
-    assert 0.2 < accepted / drafts < 0.8 * k  # drafts are both accepted and rejected, often
+        stats.add(g.stats)
+    assert 0.2 < stats.num_accepted_tokens / stats.num_drafts < 0.8 * k  # drafts are both accepted and rejected
 
     p0 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), -1)
     x0 = torch.arange(V)[:, None]
@@ -387,6 +390,7 @@ def check_two_token_law(target: FrozenTarget, drafter, k: int = 3, runs: int = 2
     # 64 cells, those expected below 5 pooled into one: df = cells - 1 (39 here); reject at alpha = 0.001.
     stat, df = chi_square(seen, joint)
     assert chi2_sf(stat, df) > ALPHA, (stat, df)
+    return stats
 
 
 # --- 3. bad input -------------------------------------------------------------------------------

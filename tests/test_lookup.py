@@ -1,0 +1,96 @@
+"""N-gram lookup in front of a drafter (inference/drafting.py LookupProposer): what it proposes, that
+greedy output stays the target's and sampling stays lossless, and that the drafter's cache stays whole."""
+
+import pytest
+import torch
+from test_engine import MAX_NEW, capture_caches, check_two_token_law, prompts_of, tiny_target
+
+from inference.drafting import Draft, DraftingConfig, LookupProposer
+from inference.engine import generate, generate_batch
+from inference.report import table
+from speculators.config import UserError
+from speculators.eagle3 import Eagle3Config, Eagle3Drafter
+
+
+class Recorder:
+    """Stands in for the drafter's proposer: records what it reads, always proposes [99]."""
+
+    def __init__(self):
+        self.read = []
+
+    def prefill(self, prompt, token, target_out):
+        self.read += prompt + [token]
+
+    def accept(self, new_tokens, target_out):
+        self.read += new_tokens
+
+    def propose(self, temperature, generator):
+        return Draft.chain([99])
+
+
+def test_lookup_proposes_what_followed_the_latest_occurrence_else_the_drafter():
+    drafter = Recorder()
+    lookup = LookupProposer(drafter, 3, 100, DraftingConfig(prompt_lookup_max=3, prompt_lookup_min=2))
+    lookup.prefill([1, 2, 3, 4, 1, 2], 3, None)  # context 1 2 3 4 1 2 3: "1 2 3" occurred before
+    draft = lookup.propose(0.0, None)
+    assert (draft.tokens, draft.looked_up, draft.is_chain) == ([4, 1, 2], True, True)
+
+    lookup.accept([5], None)  # ... 3 5: neither "2 3 5" nor "3 5" occurred: the drafter proposes
+    draft = lookup.propose(0.0, None)
+    assert (draft.tokens, draft.looked_up) == ([99], False)
+
+    lookup.accept([1, 2], None)  # ... 5 1 2: "1 2" occurred twice; the latest was followed by 3 5 1
+    draft = lookup.propose(1.0, None)
+    assert draft.tokens == [3, 5, 1] and draft.looked_up
+    assert torch.equal(draft.probs, torch.eye(100)[[3, 5, 1]])  # q of a lookup: certain of its token
+    assert drafter.read == [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]  # the drafter read every accepted position
+
+
+def test_lookup_chain_length_is_its_own():
+    lookup = LookupProposer(Recorder(), 1, 100, DraftingConfig(prompt_lookup_max=2, prompt_lookup_tokens=4))
+    lookup.prefill([7, 8, 1, 2, 3, 4, 5, 7], 8, None)
+    assert lookup.propose(0.0, None).tokens == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_greedy_with_lookup_matches_target_only_and_keeps_the_drafter_cache_whole(
+        target, make_drafter, text_batch, mode, monkeypatch):
+    drafter = make_drafter(target)
+    caches = capture_caches(drafter, monkeypatch)
+    drafting = DraftingConfig(mode, prompt_lookup_max=2, prompt_lookup_min=1, prompt_lookup_tokens=4)
+    for prompt in prompts_of(text_batch):
+        base = generate(target, None, prompt, MAX_NEW, k=0)
+        spec = generate(target, drafter, prompt, MAX_NEW, k=2, drafting=drafting)
+        assert spec.tokens == base.tokens
+        stats = spec.stats
+        assert 0 < stats.lookup_drafts <= stats.num_drafts
+        assert stats.lookup_accepted_tokens <= stats.num_accepted_tokens
+        assert len(stats.accepted_at) == 4 and sum(stats.accepted_at) == stats.num_accepted_tokens
+        verified = len(prompt) + stats.num_drafts + stats.num_accepted_tokens  # prompt, first token, then each pass
+        assert caches[-1].length == verified
+
+
+def test_sampling_with_lookup_stays_lossless():
+    """The two-token law of test_engine, from a prompt that repeats itself, so lookups are drafted often
+    (and rejected often: their q is a point mass) beside the drafter's chains."""
+    target = tiny_target(8)
+    torch.manual_seed(2)
+    drafter = Eagle3Drafter.from_target(Eagle3Config(draft_vocab_size=6), target, torch.arange(8, 0, -1))
+    drafting = DraftingConfig(prompt_lookup_max=2, prompt_lookup_min=1)
+    stats = check_two_token_law(target, drafter, prompt=(1, 5, 2, 7, 1, 5), drafting=drafting)
+    assert 0.2 * stats.num_drafts < stats.lookup_drafts < 0.9 * stats.num_drafts
+
+
+def test_report_says_how_the_drafts_split():
+    figures = {"acceptance_rate_per_position": [0.5], "acceptance_length": 2.0, "num_drafts": 10, "lookup_drafts": 4,
+               "lookup_accepted_tokens": 8, "num_accepted_tokens": 10, "per_turn": None, "tokens_per_second": 2.0,
+               "baseline_tokens_per_second": 1.0, "speedup": 2.0, "time_split_s": {}, "outputs_match_baseline": True}
+    assert "n-gram lookup drafted 4 of 10 (40%), tau there 3.000; the drafter's tau 1.333" in table(figures)
+
+
+def test_bad_lookup_settings_are_one_line_errors(target, make_drafter, text_batch):
+    with pytest.raises(UserError, match="prompt_lookup_max"):
+        DraftingConfig(prompt_lookup_max=1, prompt_lookup_min=2)
+    with pytest.raises(UserError, match="batch_size=1"):
+        generate_batch(target, make_drafter(target), prompts_of(text_batch), 4, k=2,
+                       drafting=DraftingConfig(prompt_lookup_max=2))
