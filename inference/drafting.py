@@ -285,13 +285,20 @@ class ParallelProposer(DrafterCacheProposer):
     reads the k drafts off the last verified position and k-1 mask positions after it (the
     drafter crops those again). The drafts do not condition on each other, so a chain's
     tokens come from k independent distributions: argmax each (greedy), or sample each from
-    q in the target vocabulary (rejection sampling stays lossless for any q)."""
+    q in the target vocabulary (rejection sampling stays lossless for any q). Positions not yet read
+    (a LookupProposer drafted instead) wait for the next proposal."""
+
+    unread: tuple[torch.Tensor, torch.Tensor] | None = None  # verified tokens [1, m] and their features
 
     def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
-        self.verified = torch.tensor([new_tokens]), self.drafter.features(target_out)
+        tokens, features = torch.tensor([new_tokens]), self.drafter.features(target_out)
+        if self.unread is not None:
+            tokens, features = torch.cat([self.unread[0], tokens], 1), torch.cat([self.unread[1], features], 1)
+        self.unread = tokens, features
 
     def propose(self, temperature: float, generator: torch.Generator) -> Draft:
-        logits = self.drafter.draft(self.cache, *self.verified, self.k)
+        logits = self.drafter.draft(self.cache, *self.unread, self.k)
+        self.unread = None
         if temperature == 0:
             return Draft.chain(self.to_target[logits.argmax(-1)].tolist())
         q = torch.stack([draft_distribution(self.to_target, self.vocab_size, row, temperature) for row in logits])
@@ -355,10 +362,12 @@ class SelfProposer:
     """Quantized self-speculation (speculators/self_draft.py): the target's low-bit copy decodes k
     tokens in its own session, greedy or sampled (q = its tempered softmax, over the target's own
     vocabulary). The copy reads drafts 1..k-1 while drafting; after verification it keeps those the
-    target accepted and reads only the rest of what was emitted (usually the target's own token)."""
+    target accepted and reads only the rest of what was emitted (usually the target's own token);
+    after a cycle it did not draft (a LookupProposer's), it reads all of it."""
 
     def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
         self.k, self.session = k, open_session(drafter.copy, max_len)
+        self.drafted = False  # whether the copy's cache holds drafts of the cycle being accepted
 
     def prefill(self, prompt: list[int], token: int, target_out: TargetOutput) -> None:
         self.read(prompt + [token])
@@ -367,12 +376,14 @@ class SelfProposer:
         self.logits = self.session(torch.tensor([tokens])).logits[0, -1]
 
     def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
-        read_drafts = min(len(new_tokens) - 1, self.k - 1)  # accepted drafts already in the copy's cache
-        self.session.crop(self.verified + read_drafts)
+        read_drafts = min(len(new_tokens) - 1, self.k - 1) if self.drafted else 0  # accepted drafts in the cache
+        if self.drafted:
+            self.session.crop(self.verified + read_drafts)
         self.read(new_tokens[read_drafts:])
+        self.drafted = False
 
     def propose(self, temperature: float, generator: torch.Generator) -> Draft:
-        self.verified, tokens, probs = self.session.length, [], []
+        self.verified, self.drafted, tokens, probs = self.session.length, True, [], []
         logits = self.logits
         for i in range(self.k):
             if i:

@@ -94,3 +94,33 @@ def test_bad_lookup_settings_are_one_line_errors(target, make_drafter, text_batc
     with pytest.raises(UserError, match="batch_size=1"):
         generate_batch(target, make_drafter(target), prompts_of(text_batch), 4, k=2,
                        drafting=DraftingConfig(prompt_lookup_max=2))
+
+
+def test_drafters_that_read_when_they_draft_stay_whole_behind_lookup(target, text_batch, monkeypatch):
+    """P-EAGLE reads verified positions when it drafts, the self-draft copy keeps its own drafts: after
+    a cycle a lookup drafted, both must still read everything. A copy equal to the target accepts
+    every draft only if its cache follows the verified sequence."""
+    from test_peagle import make_peagle
+
+    from speculators.self_draft import SelfDrafter
+
+    drafting = DraftingConfig(prompt_lookup_max=2, prompt_lookup_min=1)
+    copy = SelfDrafter(target, "int8", 3)
+    for prompt in prompts_of(text_batch):
+        base = generate(target, None, prompt, MAX_NEW, k=0).tokens
+        spec = generate(target, copy, prompt, MAX_NEW, k=3, drafting=drafting)
+        assert spec.tokens == base and spec.stats.lookup_drafts > 0
+        own = spec.stats.num_drafts - spec.stats.lookup_drafts
+        assert spec.stats.num_accepted_tokens - spec.stats.lookup_accepted_tokens >= 0.9 * 3 * own
+        peagle, read = make_peagle(target, text_batch).eval(), []
+        draft = peagle.draft
+
+        def reading(cache, tokens, features, k):  # P-EAGLE's cache slot s holds token s+1
+            assert cache.length == len(read)
+            read.extend(tokens[0].tolist())
+            return draft(cache, tokens, features, k)
+
+        monkeypatch.setattr(peagle, "draft", reading)
+        spec = generate(target, peagle, prompt, MAX_NEW, k=3, drafting=drafting)
+        assert spec.tokens == base and spec.stats.lookup_drafts > 0
+        assert read == (prompt + base)[1 : 1 + len(read)] and len(read) > len(prompt)
