@@ -52,6 +52,10 @@ class InferenceConfig:
         if self.batch_size > 1 and self.drafting.mode == "tree":
             raise UserError(f"drafting.mode=tree decodes one prompt at a time; batch_size={self.batch_size} needs "
                             f"drafting.mode=chain (or batch_size=1)")
+        if self.batch_size > 1 and self.drafting.prompt_lookup_max:
+            raise UserError(f"drafting.prompt_lookup_max={self.drafting.prompt_lookup_max}: n-gram lookup drafts one "
+                            f"prompt at a time; batch_size={self.batch_size} needs drafting.prompt_lookup_max=0 "
+                            f"(or batch_size=1)")
         require(0 <= self.seed < 2**32, "seed", self.seed, "in [0, 2**32 - 1], as for training")
         require(0 <= self.acceptance_tolerance < 1, "acceptance_tolerance", self.acceptance_tolerance,
                 "in [0, 1) (0: exact greedy verification)")

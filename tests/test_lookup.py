@@ -7,7 +7,7 @@ from test_engine import MAX_NEW, capture_caches, check_two_token_law, prompts_of
 
 from inference.drafting import Draft, DraftingConfig, LookupProposer
 from inference.engine import generate, generate_batch
-from inference.report import table
+from inference.report import InferenceConfig, table
 from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
 
@@ -91,6 +91,8 @@ def test_report_says_how_the_drafts_split():
 def test_bad_lookup_settings_are_one_line_errors(target, make_drafter, text_batch):
     with pytest.raises(UserError, match="prompt_lookup_max"):
         DraftingConfig(prompt_lookup_max=1, prompt_lookup_min=2)
+    with pytest.raises(UserError, match="n-gram lookup drafts one prompt at a time"):
+        InferenceConfig(drafter="unused", batch_size=2, drafting=DraftingConfig(prompt_lookup_max=2))
     with pytest.raises(UserError, match="batch_size=1"):
         generate_batch(target, make_drafter(target), prompts_of(text_batch), 4, k=2,
                        drafting=DraftingConfig(prompt_lookup_max=2))
