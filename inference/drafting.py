@@ -234,14 +234,16 @@ class LookupProposer:
     """N-gram lookup in front of a drafter (prompt lookup, Saxena 2023; vLLM's ngram; the suffix
     matching of SuffixDecoding and Arctic Inference's hybrid): when the last n tokens of the
     context (prompt and emitted tokens), n from prompt_lookup_max down to prompt_lookup_min,
-    occurred before, the chain is the up to K tokens that followed their latest occurrence;
+    occurred before, the chain is the up to prompt_lookup_tokens (default K) tokens that followed
+    their latest occurrence;
     otherwise the drafter proposes. Small targets loop and quote their prompt, where a lookup is
     right more often than the drafter and costs no drafter pass. The drafter still reads every
     accepted position, so its cache stays whole. A lookup draft is a point mass: q(x) = 1, so
     rejection sampling accepts it with probability p(x) and stays lossless."""
 
     def __init__(self, drafter_proposer, k: int, vocab_size: int, drafting: DraftingConfig):
-        self.inner, self.k, self.vocab_size = drafter_proposer, drafting.prompt_lookup_tokens or k, vocab_size
+        self.inner, self.vocab_size = drafter_proposer, vocab_size
+        self.length = drafting.prompt_lookup_tokens or k  # of a lookup chain
         self.sizes = range(drafting.prompt_lookup_max, drafting.prompt_lookup_min - 1, -1)
         self.context: list[int] = []
         self.last_seen: dict[tuple, int] = {}  # n-gram -> where the token after its latest occurrence is
@@ -267,7 +269,7 @@ class LookupProposer:
         for n in self.sizes:
             after = self.last_seen.get(tuple(self.context[-n:]))
             if after is not None:
-                tokens = self.context[after : after + self.k]
+                tokens = self.context[after : after + self.length]
                 return Draft.chain(tokens, point_masses(tokens, self.vocab_size) if temperature else None, True)
         return self.inner.propose(temperature, generator)
 
