@@ -48,6 +48,10 @@ class DraftingConfig:
                 "drafting.prompt_lookup_max", self.prompt_lookup_max,
                 f"0 (off) or at least drafting.prompt_lookup_min={self.prompt_lookup_min}")
 
+    def lookup_length(self, k: int) -> int:
+        """Tokens in a lookup chain next to the drafter's K; 0 with lookup off."""
+        return (self.prompt_lookup_tokens or k) if self.prompt_lookup_max else 0
+
 
 @dataclass
 class Draft:
@@ -243,7 +247,7 @@ class LookupProposer:
 
     def __init__(self, drafter_proposer, k: int, vocab_size: int, drafting: DraftingConfig):
         self.inner, self.vocab_size = drafter_proposer, vocab_size
-        self.length = drafting.prompt_lookup_tokens or k  # of a lookup chain
+        self.length = drafting.lookup_length(k)
         self.sizes = range(drafting.prompt_lookup_max, drafting.prompt_lookup_min - 1, -1)
         self.context: list[int] = []
         self.last_seen: dict[tuple, int] = {}  # n-gram -> where the token after its latest occurrence is

@@ -145,7 +145,7 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
     k = k if drafter is not None else 0
     generator = torch.Generator().manual_seed(seed)
     eos = target.tokenizer.eos_token_id
-    lookup = (drafting.prompt_lookup_tokens or k) if drafting.prompt_lookup_max else 0  # a lookup chain's length
+    lookup = drafting.lookup_length(k)
     widest = max(drafting.tree_total_tokens if drafting.mode == "tree" else k, lookup)  # draft nodes in one pass
     max_len = len(prompt) + max_new_tokens + 1 + (widest if k else 0)
     stats, session = Stats(max(k, lookup)), open_session(target, max_len)
