@@ -71,8 +71,10 @@ def methods(drafters: list[tuple[str, object, dict | None]], cfg: CompareConfig)
     from inference.drafting import modes
 
     rows = [Method("target_only", None, DraftingConfig())]
-    for path, drafter, training in drafters:
-        label = (training or {}).get("family") or Path(path).parent.name or Path(path).name
+    names = [(training or {}).get("family") or Path(path).parent.name or Path(path).name
+             for path, _, training in drafters]
+    for (path, drafter, training), name in zip(drafters, names):
+        label = name if names.count(name) == 1 else f"{name} {path}"  # two of a family: say which is which
         k = speculative_tokens(drafter, cfg.num_speculative_tokens)
         for mode in cfg.modes:
             if mode in modes(drafter):

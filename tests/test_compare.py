@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,9 @@ def test_rows_per_drafter_and_mode_with_measure_s_figures(llama_target, exports,
         assert row["acceptance_length"] == pytest.approx(alone["acceptance_length"])
         assert row["acceptance_rate_per_position"] == pytest.approx(alone["acceptance_rate_per_position"])
     assert table[3]["training"]["tokens_seen"] == 100
+    twins = [(path, drafter, {"family": "eagle3"}) for path, drafter, _ in drafters]
+    assert [r.name for r in compare.methods(twins, replace(cfg, modes=["chain"]))][1:] == [
+        f"eagle3 {exports[0]} (chain)", f"eagle3 {exports[1]} (chain)"]  # one family twice: told apart by path
 
     result_path = compare.write({"rows": table}, tmp_path)
     markdown = (tmp_path / "compare.md").read_text()
