@@ -137,9 +137,11 @@ def measure(cfg: DrafterCardConfig) -> dict:
     k = speculative_tokens(drafter, None)
     card = {"drafter": cfg.drafter, "target": packed.name_or_path, "served_quant": asdict(served), "k": k,
             "training": record, "config": asdict(cfg), "lookup": asdict(lookup(cfg)), "acceptance": {}}
-    for name, (eval_cfg, drafting, temperature) in acceptance_sets(cfg).items():
-        card["acceptance"][name] = serve(packed, drafter, served, eval_cfg, drafting, temperature, cfg.max_new_tokens,
-                                         cfg.drafter)
+    sets = acceptance_sets(cfg)
+    for i, (name, (eval_cfg, drafting, temperature)) in enumerate(sets.items(), 1):
+        figures = serve(packed, drafter, served, eval_cfg, drafting, temperature, cfg.max_new_tokens, cfg.drafter)
+        card["acceptance"][name] = figures
+        print(f"acceptance {i}/{len(sets)} {name}: tau {figures['acceptance_length']:.2f}", flush=True)  # a set takes minutes
     card["chain_costs"] = bound(card["acceptance"]["mtbench_chain"]["per_turn"]["1"], k)
     check_cfg = EvalConfig("mtbench", num_prompts=cfg.check_prompts, turns=1)
     card["check"] = serve(packed, drafter, served, check_cfg, DraftingConfig("chain"), 0.0, cfg.check_new_tokens,
