@@ -382,8 +382,9 @@ class SelfProposer:
         self.logits = self.session(torch.tensor([tokens])).logits[0, -1]
 
     def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
-        read_drafts = min(len(new_tokens) - 1, self.k - 1) if self.drafted else 0  # accepted drafts in the cache
+        read_drafts = 0  # accepted drafts already in the copy's cache
         if self.drafted:
+            read_drafts = min(len(new_tokens) - 1, self.k - 1)
             self.session.crop(self.verified + read_drafts)
         self.read(new_tokens[read_drafts:])
         self.drafted = False
