@@ -17,7 +17,7 @@ from test_config import composed, typed
 from speculators.config import UserError
 from speculators.target import FrozenTarget
 from train import hidden_cache
-from train.data import EndlessShuffle, TextDataModule, load_examples
+from train.data import DataConfig, EndlessShuffle, TextDataModule, load_examples
 from train.module import DrafterModule
 from train.optim import OptimConfig
 
@@ -112,6 +112,17 @@ def test_a_cache_built_for_anything_else_is_refused_naming_both(llama_dir, qwen3
     assert "\n" not in str(error.value)
 
 
+def test_the_first_examples_of_a_grown_file_keep_their_cache(llama_dir, data_file, caches, tmp_path, capsys):
+    """data.max_examples: regeneration appends to the data a cache was built from, training still reads it."""
+    grown = tmp_path / "docs.jsonl"
+    grown.write_text(data_file.read_text() + "".join(json.dumps({"text": f"later {i}"}) + "\n" for i in range(40)))
+    with pytest.raises(UserError, match="data_fingerprint"):
+        cached_data(recipe_for(llama_dir, grown, caches["bfloat16"]))
+    _, data = cached_data(recipe_for(llama_dir, grown, caches["bfloat16"], "data.max_examples=100"))
+    assert data.hidden is not None
+    assert "data: the first 100 of 140 examples (data.max_examples)" in capsys.readouterr().out
+
+
 def test_a_missing_cache_and_an_existing_output_are_one_line_errors(llama_dir, data_file, caches, tmp_path):
     with pytest.raises(UserError, match="holds no hidden-state cache"):
         cached_data(recipe_for(llama_dir, data_file, tmp_path / "none"))
@@ -121,6 +132,10 @@ def test_a_missing_cache_and_an_existing_output_are_one_line_errors(llama_dir, d
         recipe_for(llama_dir, data_file, "null")
     with pytest.raises(UserError, match="data.cache_dtype"):
         recipe_for(llama_dir, data_file, tmp_path, "data.cache_dtype=int4")
+    with pytest.raises(UserError, match="data.max_examples=0 .* >= 1"):
+        recipe_for(llama_dir, data_file, tmp_path, "data.max_examples=0")
+    with pytest.raises(UserError, match="data.max_examples=3 .* unset for data.source=stdlib"):
+        DataConfig(max_examples=3)
 
 
 def test_the_target_without_layers_refuses_to_run(llama_dir, llama_target, text_batch):

@@ -19,11 +19,12 @@ the fix. Character spans become tokens through the fast tokenizer's offsets: a t
 if any of its characters is.
 
 Files and hub datasets are split like the corpus, by a hash of each example (90/5/5), so the
-split depends on nothing but the example. Text is packed as one stream (EOS after each document)
-cut into rows; the other layouts keep each example whole: examples fill rows of seq_len in
-order, a row closes when the next does not fit and is padded (loss mask 0). An example longer
-than seq_len is truncated or skipped (data.overlong), examples with nothing to train on are
-dropped, and a summary line counts both.
+split depends on nothing but the example. data.max_examples keeps the first N examples: a folder
+train/regenerate.py still appends to then trains on (and caches) the same set. Text is packed as
+one stream (EOS after each document) cut into rows; the other layouts keep each example whole:
+examples fill rows of seq_len in order, a row closes when the next does not fit and is padded
+(loss mask 0). An example longer than seq_len is truncated or skipped (data.overlong), examples
+with nothing to train on are dropped, and a summary line counts both.
 
 With data.hidden_states=cache each batch also carries the target's hidden states of its rows,
 read from a cache built once by train/hidden_cache.py, instead of the target computing them.
@@ -68,6 +69,7 @@ class DataConfig:
     source: str = "stdlib"  # stdlib | file (data.path: .json, .jsonl(.gz), .parquet or a folder of them) | hub (a dataset id)
     path: str | None = None
     split: str = "train"  # source=hub: the split to load; validation and test are then held out by hash
+    max_examples: int | None = None  # file or hub: the first N examples only (a folder still being regenerated into)
     layout: str = "text"  # text | prompt_completion | sharegpt | messages
     chat_template: str | None = None  # a Jinja file or template replacing the tokenizer's (chat layouts)
     overlong: str = "truncate"  # an example over seq_len tokens: truncate | skip
@@ -100,6 +102,10 @@ class DataConfig:
         one_of("data.cache_dtype", self.cache_dtype, CACHE_DTYPES)
         at_least(8, data__seq_len=self.seq_len)
         at_least(1, data__batch_size=self.batch_size, data__max_val_sequences=self.max_val_sequences)
+        require(self.max_examples is None or self.source != "stdlib", "data.max_examples", self.max_examples,
+                "unset for data.source=stdlib")
+        if self.max_examples is not None:
+            at_least(1, data__max_examples=self.max_examples)
 
 
 # Loading: rows of the chosen layout, split by hash -------------------------------------------
@@ -116,6 +122,9 @@ def read_examples(cfg: DataConfig):
     rows, where = read_hub(cfg) if cfg.source == "hub" else read_path(Path(cfg.path))
     if len(rows) == 0:
         raise UserError(f"data.path={cfg.path} holds no examples")
+    if cfg.max_examples is not None and cfg.max_examples < len(rows):
+        announce(f"data: the first {cfg.max_examples} of {len(rows)} examples (data.max_examples)")
+        rows = rows.select(range(cfg.max_examples)) if isinstance(rows, datasets.Dataset) else rows[:cfg.max_examples]
     problems = []
     for i, row in enumerate(rows):
         try:
