@@ -120,7 +120,9 @@ def test_the_first_examples_of_a_grown_file_keep_their_cache(llama_dir, data_fil
         cached_data(recipe_for(llama_dir, grown, caches["bfloat16"]))
     _, data = cached_data(recipe_for(llama_dir, grown, caches["bfloat16"], "data.max_examples=100"))
     assert data.hidden is not None
-    assert "data: the first 100 of 140 examples (data.max_examples)" in capsys.readouterr().out
+    assert "data: the first 100 of 140 examples (data.max_examples=100)" in capsys.readouterr().out
+    _, data = cached_data(recipe_for(llama_dir, data_file, caches["bfloat16"], "data.max_examples=500"))
+    assert "data: the first 100 of 100 examples (data.max_examples=500)" in capsys.readouterr().out
 
 
 def test_a_missing_cache_and_an_existing_output_are_one_line_errors(llama_dir, data_file, caches, tmp_path):

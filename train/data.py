@@ -122,9 +122,10 @@ def read_examples(cfg: DataConfig):
     rows, where = read_hub(cfg) if cfg.source == "hub" else read_path(Path(cfg.path))
     if len(rows) == 0:
         raise UserError(f"data.path={cfg.path} holds no examples")
-    if cfg.max_examples is not None and cfg.max_examples < len(rows):
-        announce(f"data: the first {cfg.max_examples} of {len(rows)} examples (data.max_examples)")
-        rows = rows.select(range(cfg.max_examples)) if isinstance(rows, datasets.Dataset) else rows[:cfg.max_examples]
+    if cfg.max_examples is not None:
+        kept = min(cfg.max_examples, len(rows))
+        announce(f"data: the first {kept} of {len(rows)} examples (data.max_examples={cfg.max_examples})")
+        rows = rows.select(range(kept)) if isinstance(rows, datasets.Dataset) else rows[:kept]
     problems = []
     for i, row in enumerate(rows):
         try:
