@@ -45,13 +45,8 @@ class HFSession:
         start, end = self.length, self.length + tokens.shape[1]
         mask = torch.arange(end, device=tokens.device)[None] >= self.pads[:, None]
         positions = (torch.arange(start, end, device=tokens.device)[None] - self.pads[:, None]).clamp(min=0)
-        out = self.target.model(input_ids=tokens, attention_mask=mask.long(), position_ids=positions,
-                                past_key_values=self.cache, use_cache=True, output_hidden_states=True)
         self.length = end
-        device = tokens.device
-        return TargetOutput(aux_hidden=[out.hidden_states[k].to(device, torch.float32) for k in self.target.layer_ids],
-                            last_hidden=out.hidden_states[-1].to(device, torch.float32),
-                            logits=out.logits.to(device, torch.float32))
+        return self.target(tokens, mask.long(), cache=self.cache, position_ids=positions)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep the batch rows `index` (the prompts still decoding)."""

@@ -14,6 +14,7 @@ layers: training from a hidden-state cache (train/hidden_cache.py) needs no more
 """
 
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass
 
@@ -108,6 +109,8 @@ class FrozenTarget:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.layer_ids = check_layer_ids(default_layer_ids(self.num_layers) if layer_ids is None else layer_ids,
                                          self.num_layers)
+        # transformers 5.24 renamed forward's past_key_values to cache (the old name warns; removed in 5.40).
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @classmethod
     def load(cls, cfg: TargetConfig, quant: QuantConfig = QuantConfig(), layers: bool = True) -> "FrozenTarget":
@@ -181,12 +184,13 @@ class FrozenTarget:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 cache=None) -> TargetOutput:
+                 cache=None, position_ids: torch.Tensor | None = None) -> TargetOutput:
         """Features and logits of every position; with a transformers Cache, continue after it."""
         if not self.layers:
             raise RuntimeError("this target was loaded without its decoder layers (layers=False)")
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                         use_cache=cache is not None, output_hidden_states=True)
+        cache_kwarg = {self.cache_kwarg: cache} if cache is not None else {}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=cache is not None, output_hidden_states=True, **cache_kwarg)
         device = input_ids.device  # a placed target's outputs come from the devices of its last layers
         return TargetOutput(aux_hidden=[out.hidden_states[k].to(device, torch.float32) for k in self.layer_ids],
                             last_hidden=out.hidden_states[-1].to(device, torch.float32),

@@ -1,5 +1,7 @@
 """The static fast path computes exactly what transformers computes, through prefill, decode and rollback."""
 
+import warnings
+
 import torch
 
 from inference.sessions import HFSession, StaticSession, open_session
@@ -13,7 +15,9 @@ def test_static_session_matches_transformers(target):
             static.crop(33)
             hf.crop(33)
             continue
-        a, b = static(step), hf(step)
+        with warnings.catch_warnings():  # transformers' own cache argument, not its deprecated name
+            warnings.simplefilter("error", FutureWarning)
+            a, b = static(step), hf(step)
         torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.last_hidden, b.last_hidden, atol=1e-5, rtol=1e-5)
         for x, y in zip(a.aux_hidden, b.aux_hidden, strict=True):
