@@ -75,7 +75,6 @@ def row(size: int, measured: list[dict]) -> dict:
     speculative, baseline = median("tokens_per_second"), median("baseline_tokens_per_second")
     return {"batch_size": size, "tokens_per_second": speculative, "baseline_tokens_per_second": baseline,
             "speedup": speculative / baseline, "acceptance_length": median("acceptance_length"),
-            "acceptance_length_per_row": median("acceptance_length_per_row"),
             "token_latency_ms": latencies("token_latency_ms"),
             "baseline_token_latency_ms": latencies("baseline_token_latency_ms"),
             "outputs_match_baseline": all(m["outputs_match_baseline"] is not False for m in measured),

@@ -15,18 +15,18 @@ A Proposer lives for one generation and holds the drafter's cache:
 The table PROPOSERS maps (drafter.drafting_kind, mode) to a proposer class.
 
 Batches (engine.generate_batch) draft chains only, through a BatchProposer (BATCH_PROPOSERS,
-by drafting_kind): `accept(inputs [B, m], target_out)` (the prefill too: the left-padded
-prompts shifted by one, then the first token), `propose(temperature, generator) -> (tokens
-[B, k], q [B, k, V] or None)`, and `select(index)` to keep the rows still decoding. Its rows
-are left-padded like the target's session (inference.sessions): drafter cache slot s of row r
-has rotary position s - pads[r], and no real query sees a pad slot.
+by drafting_kind): `accept(inputs [B, m], target_out, counts [B])` (the prefill too: the
+left-padded prompts shifted by one, then the first token; row r's tokens are its first
+counts[r], the rest are holes), `propose(temperature, generator) -> (tokens [B, k], q [B, k, V]
+or None)`, and `select(index)` to keep the rows still decoding. The drafter's cache slots are
+the target session's (inference.sessions.BatchSlots): the same positions, pads and holes.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from inference.sessions import open_session
+from inference.sessions import BatchSlots, open_session
 from speculators.config import UserError, at_least, one_of, require
 from speculators.target import TargetOutput
 
@@ -411,29 +411,28 @@ PROPOSERS["self", "chain"] = SelfProposer
 
 
 class BatchChainProposer:
-    """ChainProposer for a left-padded batch: every row drafts k tokens, one drafter step per
-    draft for all rows at once. Same cache indexing: slot s holds (token s+1, features of s)."""
+    """ChainProposer for a batch: every row drafts k tokens, one drafter step per draft for all rows
+    at once. Same cache indexing: slot s holds (token s+1, features of s)."""
 
-    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, pads: torch.Tensor):
-        self.drafter, self.k, self.vocab_size, self.pads = drafter, k, vocab_size, pads
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, slots: BatchSlots):
+        self.drafter, self.k, self.vocab_size, self.slots = drafter, k, vocab_size, slots
         self.to_target = drafter.draft_to_target
-        self.cache = drafter.new_cache(len(pads), max_len)
+        self.cache = drafter.new_cache(len(slots), max_len)
 
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor):
-        """drafter.step at each row's own positions, pad slots hidden (a pad query sees itself only)."""
+        """drafter.step at each row's own positions, pads and holes hidden."""
         start, end = self.cache.length, self.cache.length + tokens.shape[1]
-        slots, keys = torch.arange(start, end), torch.arange(end)
-        positions = (slots[None] - self.pads[:, None]).clamp(min=0)[:, None]  # [B, 1, m]
-        visible = (keys[None] <= slots[:, None]) & ((keys[None, None] >= self.pads[:, None, None]) |
-                                                     (keys[None] == slots[:, None]))
-        return self.drafter.step(self.cache, tokens, hidden, positions=positions, visible=visible[:, None])
+        return self.drafter.step(self.cache, tokens, hidden, positions=self.slots.positions(start, end)[:, None],
+                                 visible=self.slots.visible(start, end))
 
-    def accept(self, inputs: torch.Tensor, target_out: TargetOutput) -> None:
-        self.logits, self.hidden = self.step(inputs, self.drafter.features(target_out))
+    def accept(self, inputs: torch.Tensor, target_out: TargetOutput, counts: torch.Tensor) -> None:
+        logits, hidden = self.step(inputs, self.drafter.features(target_out))
+        rows, last = torch.arange(len(counts)), counts - 1  # each row drafts on from its last real token
+        self.logits, self.hidden = logits[rows, last][:, None], hidden[rows, last][:, None]
 
     def propose(self, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         verified, tokens, probs = self.cache.length, [], []
-        logits, hidden = self.logits[:, -1:], self.hidden[:, -1:]
+        logits, hidden = self.logits, self.hidden
         for i in range(self.k):
             if i:
                 logits, hidden = self.step(tokens[-1][:, None], hidden)
@@ -448,17 +447,19 @@ class BatchChainProposer:
         return torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None
 
     def select(self, index: torch.Tensor) -> None:
-        self.cache.k, self.cache.v, self.pads = self.cache.k[index], self.cache.v[index], self.pads[index]
+        """Keep the rows `index`; the caller selects the slots."""
+        self.cache.k, self.cache.v = self.cache.k[index], self.cache.v[index]
 
 
 class BatchMedusaChainProposer(MedusaChainProposer):
     """MedusaChainProposer for a batch: no drafter cache, each row's heads read its last position."""
 
-    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, pads: torch.Tensor):
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, slots: BatchSlots):
         super().__init__(drafter, k, vocab_size, max_len, DraftingConfig())
 
-    def accept(self, inputs: torch.Tensor, target_out: TargetOutput) -> None:
-        self.logits = self.drafter.head_logits(target_out.last_hidden[:, -1])[:, : self.k]  # [B, k, V]
+    def accept(self, inputs: torch.Tensor, target_out: TargetOutput, counts: torch.Tensor) -> None:
+        last = target_out.last_hidden[torch.arange(len(counts)), counts - 1]
+        self.logits = self.drafter.head_logits(last)[:, : self.k]  # [B, k, V]
 
     def propose(self, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         if temperature == 0:
@@ -473,8 +474,8 @@ class BatchMedusaChainProposer(MedusaChainProposer):
 BATCH_PROPOSERS = {"autoregressive": BatchChainProposer, "heads": BatchMedusaChainProposer}
 
 
-def make_batch_proposer(drafter, k: int, vocab_size: int, max_len: int, pads: torch.Tensor):
+def make_batch_proposer(drafter, k: int, vocab_size: int, max_len: int, slots: BatchSlots):
     kind = drafter.drafting_kind
     if kind not in BATCH_PROPOSERS:
         raise UserError(f"batches of prompts are not served for a {type(drafter).__name__} yet; use batch_size=1")
-    return BATCH_PROPOSERS[kind](drafter, k, vocab_size, max_len, pads)
+    return BATCH_PROPOSERS[kind](drafter, k, vocab_size, max_len, slots)

@@ -28,7 +28,7 @@ import torch
 
 import kernels
 from inference.drafting import Draft, DraftingConfig, make_batch_proposer, make_proposer
-from inference.sessions import open_session
+from inference.sessions import BatchSlots, open_session
 from speculators.config import UserError
 from speculators.target import FrozenTarget, TargetOutput
 
@@ -40,8 +40,7 @@ class Stats:
     k: int
     num_drafts: int = 0
     num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0  # committed: in a batch, each row's accepted drafts cut to the batch's common advance
-    row_accepted_tokens: int = 0  # what each row's own verification accepted; = num_accepted_tokens at batch 1
+    num_accepted_tokens: int = 0
     lookup_drafts: int = 0  # of num_drafts, n-gram lookup chains (drafting.prompt_lookup_max)
     lookup_accepted_tokens: int = 0  # of num_accepted_tokens, in lookup chains
     accepted_at: list[int] = field(default_factory=list)  # drafts whose token i was accepted, i = 1..the longest
@@ -56,13 +55,12 @@ class Stats:
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.k
 
-    def record(self, accepted: int, proposed: int, row_accepted: int | None = None, looked_up: bool = False) -> None:
+    def record(self, accepted: int, proposed: int, looked_up: bool = False) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
         self.lookup_drafts += looked_up
         self.lookup_accepted_tokens += accepted if looked_up else 0
-        self.row_accepted_tokens += accepted if row_accepted is None else row_accepted
         for i in range(accepted):
             self.accepted_at[i] += 1
 
@@ -78,7 +76,7 @@ class Stats:
         return [a / max(self.num_drafts, 1) for a in self.accepted_at]
 
     def add(self, other: "Stats") -> None:
-        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "row_accepted_tokens", "lookup_drafts",
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "lookup_drafts",
                      "lookup_accepted_tokens", "target_forwards", "ttft_s", "decode_s", "draft_s", "verify_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_at = [a + b for a, b in itertools.zip_longest(self.accepted_at, other.accepted_at, fillvalue=0)]
@@ -201,28 +199,18 @@ def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_
                    tolerance: float = 0.0) -> BatchGeneration:
     """Decode several prompts together: one target pass per step verifies every row's chain.
 
-    Prompts are left-padded to the longest (inference.sessions). Each step every row drafts k
-    tokens, the target verifies all rows in one pass, and row r's verification accepts n_r of
-    its drafts and yields y_{n_r+1} (its correction or bonus). The caches stay rectangular
-    because every row advances by the same m = min n_r over the rows that do not finish in this
-    step (EOS or max_new_tokens within y_1..y_{n_r+1}; if all finish, m = k): row r emits
-    y_1..y_{min(m, n_r)+1} (min(m, n_r) = m for every row that goes on, whose token y_{m+1} is
-    then its accepted draft m+1 when n_r > m), and both caches roll back to the common length.
-    Finished rows leave the batch (select).
+    Prompts are left-padded to the longest. Each step every row drafts k tokens from its own last
+    token, the target verifies all rows in one pass, and row r's verification accepts n_r of its
+    drafts and yields y_{n_r+1} (its correction or bonus): row r emits y_1..y_{n_r+1}, exactly as
+    it would alone, so greedy rows are their prompts' target-only output and sampled rows are
+    lossless row by row. The caches stay rectangular: the batch goes on after the largest n_r, and
+    the slots of drafts a row rejected below that become holes no later query sees
+    (inference.sessions.BatchSlots); each row's positions count its own tokens. A cache therefore
+    grows by up to k+1 slots a step whatever its row accepted: max_len allows k+1 per new token.
+    Finished rows (EOS or max_new_tokens) leave the batch (select).
 
-    Why this stays exact. Greedy: a row emits a prefix of what its own verification emitted,
-    and that is target-only greedy. Sampling: rejection sampling emits y_j ~ p(. | y_<j) at
-    every position it reaches; whether row r's y_j is emitted depends on n_r >= j-1 (decided by
-    positions before j, as in plain speculative decoding) and on the other rows' outcomes
-    (independent draws), never on y_j itself: if row r finishes at y_f it does not constrain m,
-    but it emits min(m, n_r)+1 tokens either way, since m is then the others' minimum. Cutting a
-    lossless sequence at such a stopping time keeps it lossless; the next step starts afresh
-    from the emitted prefix.
-
-    Stats (vLLM's definitions, one draft per row per step): num_accepted_tokens and
-    accepted_at count the committed min(m, n_r), so tau = 1 + accepted/drafts is tokens
-    emitted per row per target pass; row_accepted_tokens counts n_r, the drafter's own
-    acceptance, comparable with batch 1. Drafting trees is refused: chains only.
+    Stats: one draft per row per step (vLLM's definitions), so tau = 1 + accepted/drafts is tokens
+    emitted per row per target pass, comparable with batch 1. Drafting trees is refused: chains only.
     """
     drafting = drafting or DraftingConfig()
     if len(prompts) == 1:
@@ -244,11 +232,11 @@ def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_
     k = k if drafter is not None else 0
     generator = torch.Generator().manual_seed(seed)
     eos = target.tokenizer.eos_token_id
-    pads = torch.tensor([longest - len(prompt) for prompt in prompts])
     ids = torch.tensor([[0] * (longest - len(prompt)) + prompt for prompt in prompts])  # any id pads: never seen
-    max_len = longest + max_new_tokens + 1 + k
-    stats, session = Stats(k), open_session(target, max_len, pads)
-    proposer = make_batch_proposer(drafter, k, target.vocab_size, max_len, pads) if k else None
+    max_len = longest + (max_new_tokens + 1) * (k + 1)
+    slots = BatchSlots(torch.tensor([longest - len(prompt) for prompt in prompts]), max_len)
+    stats, session = Stats(k), open_session(target, max_len, slots)
+    proposer = make_batch_proposer(drafter, k, target.vocab_size, max_len, slots) if k else None
     outputs: list[list[int]] = [[] for _ in prompts]
     rows = list(range(len(prompts)))  # the prompt each batch row decodes
     started = time.perf_counter()
@@ -257,6 +245,7 @@ def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_
     stats.target_forwards, stats.ttft_s = 1, time.perf_counter() - started
     emitted = torch.ones(len(prompts), dtype=torch.long)  # tokens of `new` each row emits
     inputs = torch.cat([ids[:, 1:], new], 1)  # what the drafter reads next: the token after each position
+    reads = torch.full_like(emitted, inputs.shape[1])  # of which each row's own (the rest are holes)
     step_started = time.perf_counter()
     while True:
         for row, (tokens, count) in enumerate(zip(new.tolist(), emitted.tolist())):
@@ -270,18 +259,20 @@ def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_
             break
         if len(going) < len(rows):  # rows that finished leave the batch
             index = torch.tensor(going)
-            rows, new, inputs, out = [rows[r] for r in going], new[index], inputs[index], select_batch(out, index)
+            rows, new, emitted, out = [rows[r] for r in going], new[index], emitted[index], select_batch(out, index)
+            inputs, reads = inputs[index], reads[index]
             session.select(index)
+            slots.select(index)
             if proposer:
                 proposer.select(index)
-        last = new[:, -1]
+        last = new.gather(1, emitted[:, None] - 1)[:, 0]  # each row's last emitted token
         if not k:
             out = session(last[:, None])
-            new, emitted = pick_rows(out.logits[:, -1], temperature, generator)[:, None], torch.ones_like(last)
+            new = pick_rows(out.logits[:, -1], temperature, generator)[:, None]
             stats.target_forwards += 1
             continue
         drafting_started = time.perf_counter()
-        proposer.accept(inputs, out)  # the prefill on the first step
+        proposer.accept(inputs, out, reads)  # the prefill on the first step
         drafts, probs = proposer.propose(temperature, generator)
         verifying = time.perf_counter()
         start = session.length
@@ -294,19 +285,17 @@ def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_
         else:
             uniform = torch.rand(len(drafts), k + 1, generator=generator)
             accepted, token = kernels.verify_sampling(drafts, probs, out.logits, temperature, uniform)
-        # y_1..y_{n_r+1} of each row: its accepted drafts, then its correction or bonus token (then -1).
-        j = torch.arange(k + 1)[None]
-        ys = torch.where(j < accepted[:, None], torch.cat([drafts, token[:, None]], 1),
-                         torch.where(j == accepted[:, None], token[:, None], -1))
-        finishing = [len(outputs[prompt]) + int(accepted[row]) + 1 >= max_new_tokens or eos in ys[row].tolist()
-                     for row, prompt in enumerate(rows)]
-        m = min((int(n) for n, done in zip(accepted, finishing) if not done), default=k)
-        emitted = accepted.clamp(max=m) + 1
-        new = ys[:, : m + 1]
         for n in accepted.tolist():
-            stats.record(min(n, m), k, n)
-        session.crop(start + m + 1)  # every row that goes on has its root and m accepted drafts in the cache
-        inputs, out = new, select_batch(out, torch.arange(m + 1), dim=1)
+            stats.record(n, k)
+        # y_1..y_{n_r+1} of each row: its accepted drafts, then its correction or bonus token (then 0s: holes).
+        widest = int(accepted.max()) + 1
+        j = torch.arange(widest)[None]
+        new = torch.where(j < accepted[:, None], torch.cat([drafts, token[:, None]], 1)[:, :widest],
+                          torch.where(j == accepted[:, None], token[:, None], 0))
+        emitted = reads = accepted + 1
+        slots.keep(start, emitted, start + widest)  # row r keeps its root and n_r accepted drafts
+        session.crop(start + widest)
+        inputs, out = new, select_batch(out, torch.arange(widest), dim=1)
     stats.decode_s = time.perf_counter() - started - stats.ttft_s
     return BatchGeneration([truncate(tokens, max_new_tokens, eos) for tokens in outputs], stats)
 

@@ -169,13 +169,10 @@ class Tally:
 
     def figures(self) -> dict:
         spec, base = self.spec, self.base
-        drafts = max(spec.num_drafts, 1)
         spec_speed = sum(len(r["output_ids"]) for r in self.rows) / (spec.ttft_s + spec.decode_s)
         base_speed = sum(len(r["baseline_output_ids"]) for r in self.rows) / (base.ttft_s + base.decode_s)
         return {
             "acceptance_length": spec.acceptance_length,
-            # Each row's own verification, before a batch cuts it to the common advance (= the above at batch 1).
-            "acceptance_length_per_row": 1 + spec.row_accepted_tokens / drafts,
             "acceptance_rate_per_position": spec.acceptance_rates,
             "num_prompts": len(self.rows),
             "num_drafts": spec.num_drafts,

@@ -7,13 +7,14 @@ arithmetic, decides decode speed for small models on CPUs (DESIGN.md section 5),
 generic forward spends most of a step there. `HFSession` runs any other causal LM through
 transformers with a DynamicCache. Both return a speculators.target.TargetOutput.
 
-A batch of prompts of different lengths is left-padded to a common length: `pads[r]` slots
-before row r's first token. Row r's token at cache slot s has position s - pads[r] (its rotary
-angle, or HF's position_ids), and no real query sees a pad slot; a pad slot's query sees only
-itself, so its (unused) outputs stay finite instead of softmax-over-nothing NaNs that would
-leak into real rows through 0 * NaN. Every row advances by the same number of tokens, so one
-`length` serves the batch; `select(index)` keeps the rows still decoding. Without `pads` the
-session decodes one sequence, exactly as before.
+A batch of prompts shares one rectangular cache whose slots a `BatchSlots` describes: rows are
+left-padded to a common prompt length and then advance by their own accepted counts, so a slot
+may be a pad or a hole (a draft its row rejected while another row accepted its own). No real
+query sees a pad or a hole, and each token's position (rotary angle, or HF's position_ids) counts
+the real tokens before it in its row. A pad slot's query sees only itself, so its (unused)
+outputs stay finite instead of softmax-over-nothing NaNs that would leak into real rows through
+0 * NaN. `select(index)` keeps the rows still decoding. Without slots the session decodes one
+sequence.
 """
 
 import torch
@@ -26,32 +27,65 @@ from speculators.target import FrozenTarget, TargetOutput
 STATIC_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 
 
+class BatchSlots:
+    """The cache slots of a batch whose rows hold different numbers of tokens (shared by the target's
+    session and the drafter's cache, which index the same slots). `valid[r, s]`: row r's slot s holds
+    a real token (future slots count as real); `position[r, s]`: its position in row r."""
+
+    def __init__(self, pads: torch.Tensor, max_len: int):
+        slots = torch.arange(max_len, device=pads.device)
+        self.valid = slots[None] >= pads[:, None]
+        self.position = (slots[None] - pads[:, None]).clamp(min=0)
+
+    def __len__(self) -> int:
+        return len(self.valid)
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """[B, end - start]: the positions of slots start..end-1, row by row."""
+        return self.position[:, start:end]
+
+    def visible(self, start: int, end: int) -> torch.Tensor:
+        """[B, 1, end - start, end]: which slots each query of start..end-1 sees (causal, no pads or holes)."""
+        slots, keys = torch.arange(start, end, device=self.valid.device), torch.arange(end, device=self.valid.device)
+        causal, own = keys[None] <= slots[:, None], keys[None] == slots[:, None]
+        return ((causal & self.valid[:, None, :end]) | own)[:, None]
+
+    def keep(self, start: int, kept: torch.Tensor, end: int) -> None:
+        """After a pass over slots start.., row r keeps its first kept[r] of them and the batch goes on at
+        `end` (start + the largest kept): the rest up to `end` become holes, later slots follow each row's
+        last kept token."""
+        slots = torch.arange(self.valid.shape[1], device=self.valid.device)
+        self.valid &= ~((slots[None] >= start + kept[:, None]) & (slots[None] < end))
+        self.position[:, end:] = self.position[:, start, None] + kept[:, None] + slots[None, : len(slots) - end]
+
+    def select(self, index: torch.Tensor) -> None:
+        self.valid, self.position = self.valid[index], self.position[index]
+
+
 class HFSession:
-    def __init__(self, target: FrozenTarget, pads: torch.Tensor | None = None):
-        self.target, self.cache, self.length, self.pads = target, DynamicCache(), 0, pads
+    def __init__(self, target: FrozenTarget, slots: BatchSlots | None = None):
+        self.target, self.cache, self.length, self.slots = target, DynamicCache(), 0, slots
 
     def __call__(self, tokens: torch.Tensor, tree: torch.Tensor | None = None,
                  depths: torch.Tensor | None = None) -> TargetOutput:
         if tree is not None:
             raise UserError(f"tree drafts need a Llama-family target ({', '.join(sorted(STATIC_MODEL_TYPES))}) "
                             f"without a sliding window, on one device (no target.device_map); use drafting.mode=chain")
-        if self.pads is not None:
+        if self.slots is not None:
             return self.padded(tokens)
         self.length += tokens.shape[1]
         return self.target(tokens, cache=self.cache)
 
     def padded(self, tokens: torch.Tensor) -> TargetOutput:
-        """A left-padded batch: attention mask over every slot so far, position ids per row."""
+        """A batch: attention mask over every slot so far (pads and holes hidden), position ids per row."""
         start, end = self.length, self.length + tokens.shape[1]
-        mask = torch.arange(end, device=tokens.device)[None] >= self.pads[:, None]
-        positions = (torch.arange(start, end, device=tokens.device)[None] - self.pads[:, None]).clamp(min=0)
+        mask, positions = self.slots.valid[:, :end].to(tokens.device), self.slots.positions(start, end).to(tokens.device)
         self.length = end
         return self.target(tokens, mask.long(), cache=self.cache, position_ids=positions)
 
     def select(self, index: torch.Tensor) -> None:
-        """Keep the batch rows `index` (the prompts still decoding)."""
+        """Keep the batch rows `index` (the prompts still decoding); the caller selects the slots."""
         self.cache.batch_select_indices(index)
-        self.pads = self.pads[index]
 
     def keep(self, start: int, rows: list[int]) -> None:
         self.crop(start + len(rows))  # chains only: the accepted rows are a prefix
@@ -63,13 +97,13 @@ class HFSession:
 
 
 class StaticSession:
-    def __init__(self, target: FrozenTarget, max_len: int, pads: torch.Tensor | None = None):
+    def __init__(self, target: FrozenTarget, max_len: int, slots: BatchSlots | None = None):
         model, c = target.model.model, target.config
-        self.target, self.layers, self.length, self.pads = target, model.layers, 0, pads
+        self.target, self.layers, self.length, self.slots = target, model.layers, 0, slots
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         param = next(model.parameters())
-        batch = 1 if pads is None else len(pads)
+        batch = 1 if slots is None else len(slots)
         self.k = torch.zeros(len(self.layers), batch, kv_heads, max_len, self.head_dim, dtype=param.dtype, device=param.device)
         self.v = torch.zeros_like(self.k)
         # cos/sin of every position once, from the model's own rotary module (any RoPE scaling it has).
@@ -86,7 +120,7 @@ class StaticSession:
         end = start + tokens.shape[1]
         if end > self.k.shape[3]:
             raise ValueError(f"the session's cache holds {self.k.shape[3]} positions; {end} needed")
-        if self.pads is not None:
+        if self.slots is not None:
             cos, sin, visible = self.padded(start, end, tokens.device)
         elif tree is None:
             cos, sin = self.cos[:, :, start:end], self.sin[:, :, start:end]
@@ -106,17 +140,14 @@ class StaticSession:
                             logits=self.target.model.lm_head(last).float())
 
     def padded(self, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, m, d] at each row's own positions and the mask [B, 1, m, end] of a left-padded batch."""
-        slots, keys = torch.arange(start, end, device=device), torch.arange(end, device=device)
-        positions = (slots[None] - self.pads[:, None]).clamp(min=0)  # [B, m]
+        """cos, sin [B, 1, m, d] at each row's own positions and the mask [B, 1, m, end] of a batch."""
+        positions = self.slots.positions(start, end).to(device)  # [B, m]
         cos, sin = self.cos[0, 0][positions][:, None], self.sin[0, 0][positions][:, None]
-        causal = keys[None] <= slots[:, None]  # [m, end]
-        visible = causal & ((keys[None, None] >= self.pads[:, None, None]) | (keys[None] == slots[:, None]))
-        return cos, sin, visible[:, None]
+        return cos, sin, self.slots.visible(start, end).to(device)
 
     def select(self, index: torch.Tensor) -> None:
-        """Keep the batch rows `index` (the prompts still decoding)."""
-        self.k, self.v, self.pads = self.k[:, index], self.v[:, index], self.pads[index]
+        """Keep the batch rows `index` (the prompts still decoding); the caller selects the slots."""
+        self.k, self.v = self.k[:, index], self.v[:, index]
 
     def attention(self, i, attn, h, cos, sin, start, end, visible):
         B, m, _ = h.shape
@@ -150,12 +181,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def open_session(target: FrozenTarget, max_len: int, pads: torch.Tensor | None = None):
+def open_session(target: FrozenTarget, max_len: int, slots: BatchSlots | None = None):
     """The static fast path for Llama-family targets without sliding windows, on one device; HF
-    otherwise (its forward runs accelerate's hooks for a placed target). `pads` (left padding
-    per row) opens a batch session; None, a single sequence."""
+    otherwise (its forward runs accelerate's hooks for a placed target). `slots` opens a batch
+    session; None, a single sequence."""
     c = target.config
     windowed = getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True)
     if c.model_type in STATIC_MODEL_TYPES and not windowed and not target.placed:
-        return StaticSession(target, max_len, pads)
-    return HFSession(target, pads)
+        return StaticSession(target, max_len, slots)
+    return HFSession(target, slots)
