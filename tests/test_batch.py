@@ -76,6 +76,18 @@ def test_padded_rows_see_what_each_prompt_alone_sees(target, make_drafter, text_
         assert drafts[r].tolist() == single.propose(0.0, None).tokens
 
 
+def test_batch_slots_turn_rejected_drafts_into_holes_and_keep_each_rows_positions():
+    slots = BatchSlots(torch.tensor([2, 0]), 12)  # row 0 has 2 pads before its 3-token prompt, row 1 none
+    assert slots.valid[:, :5].tolist() == [[False, False, True, True, True], [True] * 5]
+    # A pass over slots 5..8 (a root and 3 drafts): row 0 keeps its root and 1 draft, row 1 all 4.
+    slots.keep(5, torch.tensor([2, 4]), 9)
+    assert slots.valid[0, 5:10].tolist() == [True, True, False, False, True]
+    assert slots.positions(9, 11).tolist() == [[5, 6], [9, 10]]  # each row's own count of tokens
+    seen = slots.visible(9, 10)[:, 0, 0]
+    assert seen[0].tolist() == [False, False, True, True, True, True, True, False, False, True]
+    assert seen[1].tolist() == [True] * 10
+
+
 # --- 2. greedy is exact ----------------------------------------------------------------------------
 
 
