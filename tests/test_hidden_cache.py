@@ -125,6 +125,48 @@ def test_the_first_examples_of_a_grown_file_keep_their_cache(llama_dir, data_fil
     assert "data: the first 100 of 100 examples (data.max_examples=500)" in capsys.readouterr().out
 
 
+def stop_after_two_shards(monkeypatch, recipe) -> list[str]:
+    """Build `recipe` with shards of ROWS_PER_SHARD rows, stopped (Ctrl-C) when writing its third shard;
+    returns the list every shard written from now on is appended to."""
+    monkeypatch.setattr(hidden_cache, "SHARD_BYTES", ROWS_PER_SHARD * (len(LAYER_IDS) + 1) * SEQ_LEN * 32 * 2)
+    save, written = hidden_cache.save_file, []
+
+    def save_then_stop(tensors, path):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        written.append(path.name)
+        save(tensors, path)
+
+    monkeypatch.setattr(hidden_cache, "save_file", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        hidden_cache.build(recipe)
+    assert not Path(recipe.data.cache_dir).exists()
+    written.clear()
+    monkeypatch.setattr(hidden_cache, "save_file", lambda tensors, path: (written.append(path.name), save(tensors, path)))
+    return written
+
+
+def test_a_stopped_build_resumes_after_its_last_shard(llama_dir, data_file, caches, tmp_path, monkeypatch, capsys):
+    recipe = recipe_for(llama_dir, data_file, tmp_path / "cache", "data.cache_dtype=bfloat16")
+    written = stop_after_two_shards(monkeypatch, recipe)
+    hidden_cache.build(recipe)
+    assert f"resuming {tmp_path / 'cache.partial'}: {2 * ROWS_PER_SHARD} rows already written" in capsys.readouterr().out
+    whole = sorted(p.name for p in caches["bfloat16"].glob("*.safetensors"))
+    assert sorted(written + ["train-00000.safetensors", "train-00001.safetensors"]) == whole
+    for name in whole:  # the same bytes as a build never stopped
+        assert (tmp_path / "cache" / name).read_bytes() == (caches["bfloat16"] / name).read_bytes()
+    assert (tmp_path / "cache" / "index.json").read_text() == (caches["bfloat16"] / "index.json").read_text()
+    assert not (tmp_path / "cache" / "progress.json").exists()
+
+
+def test_a_stopped_build_of_other_rows_starts_over(llama_dir, data_file, caches, tmp_path, monkeypatch, capsys):
+    stop_after_two_shards(monkeypatch, recipe_for(llama_dir, data_file, tmp_path / "cache", "data.max_val_sequences=3"))
+    stop_after_two_shards(monkeypatch, recipe_for(llama_dir, data_file, tmp_path / "cache"))
+    assert "resuming" not in capsys.readouterr().out
+    hidden_cache.build(recipe_for(llama_dir, data_file, tmp_path / "cache"))
+    assert "resuming" in capsys.readouterr().out
+
+
 def test_a_missing_cache_and_an_existing_output_are_one_line_errors(llama_dir, data_file, caches, tmp_path):
     with pytest.raises(UserError, match="holds no hidden-state cache"):
         cached_data(recipe_for(llama_dir, data_file, tmp_path / "none"))

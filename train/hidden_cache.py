@@ -12,6 +12,9 @@ target's lm_head recomputes in training (V/H times fewer bytes: 31x for Llama 3 
 check on the first batch refuses a target whose logits are more than that, e.g. soft-capped).
 float8_e4m3 scales each token's vector of each layer by its absmax / 448 (`scale`, float32).
 
+A build writes into <cache_dir>.partial and records each finished shard (about 1 GiB) in its
+progress.json: stopped, the same command resumes after the last one.
+
 index.json records what the cache was built from; training refuses a cache whose target
 weights, layer ids, quantization, data rows, storage dtype or seq_len differ from its own.
 """
@@ -66,48 +69,78 @@ def decode(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 # Building ---------------------------------------------------------------------------------------
 
 def build(recipe, device: str = "cpu") -> Path:
-    """Write data.cache_dir (through a .partial folder renamed into place) and return it."""
+    """Write data.cache_dir (through a .partial folder renamed into place) and return it. An
+    interrupted build resumes after its last finished shard when run again with the same config."""
     out = Path(recipe.data.cache_dir)
     check_writable(out, recipe.overwrite)
     target = FrozenTarget.load(recipe.target, recipe.quant).to(device)
     data = TextDataModule(recipe.data, load_examples(recipe.data), target.tokenizer, recipe.seed)
     data.setup("fit")
+    built_from = identity(recipe, target, data)
     partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    progress = Progress(partial, built_from)
     splits = {"train": data.train_rows, "validation": data.val_rows}
     with tqdm(total=sum(len(rows) for rows in splits.values()), unit="row", desc="hidden states") as bar:
-        shards = {split: write_split(target, rows, recipe.data, partial, split, bar) for split, rows in splits.items()}
+        bar.update(progress.rows_done())
+        for split, rows in splits.items():
+            write_split(target, rows, recipe.data, progress, split, bar)
     tokens = sum(len(rows) for rows in splits.values()) * recipe.data.seq_len
+    shards = progress.shards
     size = sum((partial / shard["file"]).stat().st_size for split in shards.values() for shard in split)
-    index = {**identity(recipe, target, data), "target_dtype": recipe.target.dtype, "hidden_size": target.hidden_size,
+    index = {**built_from, "target_dtype": recipe.target.dtype, "hidden_size": target.hidden_size,
              "rows": {split: len(rows) for split, rows in splits.items()}, "bytes": size,
              "bytes_per_token": size / tokens, "shards": shards}
     (partial / "index.json").write_text(json.dumps(index, indent=2))
+    progress.path.unlink()
     move_into_place(partial, out)
     print(f"hidden-state cache: {out}: {tokens} tokens in {size / 2**20:.1f} MiB, {size / tokens:.1f} bytes per token "
           f"({recipe.data.cache_dtype}, {len(target.layer_ids)} layers + the last)")
     return out
 
 
-def write_split(target: FrozenTarget, rows: torch.Tensor, cfg, folder: Path, split: str, bar) -> list[dict]:
-    """Shards of about SHARD_BYTES holding the split's rows in order."""
+class Progress:
+    """The shards a build has finished in its .partial folder, recorded after each one, so a build
+    stopped after an hour resumes there; a .partial built from anything else starts over."""
+
+    def __init__(self, folder: Path, built_from: dict):
+        self.folder, self.path, self.built_from = folder, folder / "progress.json", built_from
+        previous = json.loads(self.path.read_text()) if self.path.is_file() else None
+        if previous and all(previous[key] == built_from[key] for key in CHECKED):
+            self.shards = previous["shards"]
+            print(f"hidden-state cache: resuming {folder}: {self.rows_done()} rows already written")
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            self.shards = {}
+
+    def rows_done(self, split: str | None = None) -> int:
+        splits = [split] if split else list(self.shards)
+        return sum(shard["rows"] for name in splits for shard in self.shards.get(name, []))
+
+    def add(self, split: str, name: str, rows: int) -> None:
+        self.shards[split].append({"file": name, "rows": rows})
+        self.path.write_text(json.dumps({**self.built_from, "shards": self.shards}, indent=2))
+
+
+def write_split(target: FrozenTarget, rows: torch.Tensor, cfg, progress: Progress, split: str, bar) -> None:
+    """Shards of about SHARD_BYTES holding the split's rows in order, from the first row not yet written."""
     device = target.device
     row_bytes = (len(target.layer_ids) + 1) * cfg.seq_len * target.hidden_size * STORED[cfg.cache_dtype].itemsize
-    per_shard, shards = max(1, SHARD_BYTES // row_bytes), []
-    for start in range(0, len(rows), per_shard):
+    per_shard, checked = max(1, SHARD_BYTES // row_bytes), bool(progress.rows_done())
+    progress.shards.setdefault(split, [])
+    for start in range(progress.rows_done(split), len(rows), per_shard):
         parts = []
         for batch in rows[start : start + per_shard].split(cfg.batch_size):
             out = target(batch.to(device))
-            if not shards and not parts:
+            if not checked:
                 check_logits_recomputable(target, out)
+                checked = True
             parts.append(torch.stack([*out.aux_hidden, out.last_hidden], 1).cpu())
             bar.update(len(batch))
         hidden = torch.cat(parts)
-        name = f"{split}-{len(shards):05d}.safetensors"
-        save_file(encode(hidden, cfg.cache_dtype), folder / name)
-        shards.append({"file": name, "rows": len(hidden)})
-    return shards
+        name = f"{split}-{len(progress.shards[split]):05d}.safetensors"
+        save_file(encode(hidden, cfg.cache_dtype), progress.folder / name)
+        progress.add(split, name, len(hidden))
 
 
 def check_logits_recomputable(target: FrozenTarget, out) -> None:
