@@ -1,12 +1,14 @@
 """Tau against training tokens: the acceptance reports of runs (or checkpoints) of one recipe, on a plot.
 
     python -m inference.curve RUN_DIR [RUN_DIR ...] --out results/smollm2/data_curve
+    python -m inference.curve results/smollm2/data_curve.json NEW_RUN_DIR --out results/smollm2/data_curve
 
 Each RUN_DIR holds what `python train.py` writes: export/training.json (tokens seen) and
 acceptance/report.json (the closing report, inference/report.py). A checkpoint becomes such a
 folder with `python train.py <its recipe> resume=<checkpoint> trainer.max_steps=<its step>
-hydra.run.dir=<folder>`: no step is trained, the export and the report are written. Writes
-<out>.json (the points) and <out>.png.
+hydra.run.dir=<folder>`: no step is trained, the export and the report are written. A .json
+argument is an earlier curve's points, kept as they are (their run directories may be gone, and
+a run measured twice keeps its newest point). Writes <out>.json (the points) and <out>.png.
 """
 
 import argparse
@@ -31,6 +33,12 @@ def point(run_dir: Path) -> dict:
             "outputs_match_baseline": figures["outputs_match_baseline"]}
 
 
+def earlier_points(curve_json: Path) -> list[dict]:
+    if not curve_json.is_file():
+        raise UserError(f"{curve_json}: no such file (an earlier curve's points, as --out wrote them)")
+    return json.loads(curve_json.read_text())
+
+
 def plot(points: list[dict], path: Path, title: str) -> None:
     def series(chosen: list[dict]) -> tuple[list[float], list[float]]:
         return [p["tokens_seen"] / 1e6 for p in chosen], [p["acceptance_length"] for p in chosen]
@@ -52,7 +60,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="path without suffix: <out>.json and <out>.png")
     parser.add_argument("--title", default="tau against training tokens")
     args = parser.parse_args(argv)
-    points = sorted((point(run) for run in args.runs), key=lambda p: p["tokens_seen"])
+    by_run = {}
+    for source in args.runs:
+        for p in earlier_points(source) if source.suffix == ".json" else [point(source)]:
+            by_run[p["run"]] = p
+    points = sorted(by_run.values(), key=lambda p: p["tokens_seen"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(points, indent=2))
     plot(points, args.out.with_suffix(".png"), args.title)

@@ -37,7 +37,22 @@ def test_a_continued_run_is_its_own_series(tmp_path):
     assert (tmp_path / "curve.png").stat().st_size > 0
 
 
+def test_an_earlier_curve_keeps_its_points_and_takes_new_runs(tmp_path):
+    curve.main([str(fake_run(tmp_path / "a", 100, 1.2)), str(fake_run(tmp_path / "b", 200, 1.3)),
+                "--out", str(tmp_path / "curve")])
+    (tmp_path / "a" / "export" / "training.json").unlink()  # the run directory gone, its point kept
+    fake_run(tmp_path / "c", 300, 1.5)
+    (tmp_path / "b" / "acceptance" / "report.json").write_text(json.dumps(
+        {"acceptance_length": 1.35, "acceptance_rate_per_position": [0.35], "outputs_match_baseline": True,
+         "config": {"eval": {"name": "mtbench"}, "max_new_tokens": 64}}))  # b measured again
+    curve.main([str(tmp_path / "curve.json"), str(tmp_path / "b"), str(tmp_path / "c"), "--out", str(tmp_path / "curve")])
+    points = json.loads((tmp_path / "curve.json").read_text())
+    assert [(p["steps"], p["acceptance_length"]) for p in points] == [(100, 1.2), (200, 1.35), (300, 1.5)]
+
+
 def test_a_folder_that_is_not_a_run_is_one_line(tmp_path):
     with pytest.raises(SystemExit) as stopped:
         curve.main([str(tmp_path), "--out", str(tmp_path / "c")])
     assert "no export/training.json" in str(stopped.value) and "\n" not in str(stopped.value)
+    with pytest.raises(SystemExit, match="c.json: no such file"):
+        curve.main([str(tmp_path / "c.json"), "--out", str(tmp_path / "c")])
