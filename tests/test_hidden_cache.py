@@ -146,25 +146,55 @@ def stop_after_two_shards(monkeypatch, recipe) -> list[str]:
     return written
 
 
+def same_cache(built: Path, reference: Path) -> None:
+    """The same shard files, bytes and index as a build made in one go."""
+    whole = sorted(p.name for p in reference.glob("*.safetensors"))
+    assert sorted(p.name for p in built.glob("*.safetensors")) == whole
+    for name in whole:
+        assert (built / name).read_bytes() == (reference / name).read_bytes()
+    assert (built / "index.json").read_text() == (reference / "index.json").read_text()
+    assert not (built / "progress.json").exists()
+
+
 def test_a_stopped_build_resumes_after_its_last_shard(llama_dir, data_file, caches, tmp_path, monkeypatch, capsys):
     recipe = recipe_for(llama_dir, data_file, tmp_path / "cache", "data.cache_dtype=bfloat16")
     written = stop_after_two_shards(monkeypatch, recipe)
     hidden_cache.build(recipe)
-    assert f"resuming {tmp_path / 'cache.partial'}: {2 * ROWS_PER_SHARD} rows already written" in capsys.readouterr().out
-    whole = sorted(p.name for p in caches["bfloat16"].glob("*.safetensors"))
-    assert sorted(written + ["train-00000.safetensors", "train-00001.safetensors"]) == whole
-    for name in whole:  # the same bytes as a build never stopped
-        assert (tmp_path / "cache" / name).read_bytes() == (caches["bfloat16"] / name).read_bytes()
-    assert (tmp_path / "cache" / "index.json").read_text() == (caches["bfloat16"] / "index.json").read_text()
-    assert not (tmp_path / "cache" / "progress.json").exists()
+    rows = sum(json.loads((caches["bfloat16"] / "index.json").read_text())["rows"].values())
+    assert (f"{2 * ROWS_PER_SHARD} of {rows} rows already built ({tmp_path / 'cache.partial'}), computing the rest"
+            in capsys.readouterr().out)
+    assert len(written) == len(list(caches["bfloat16"].glob("*.safetensors"))) - 2
+    same_cache(tmp_path / "cache", caches["bfloat16"])
 
 
-def test_a_stopped_build_of_other_rows_starts_over(llama_dir, data_file, caches, tmp_path, monkeypatch, capsys):
-    stop_after_two_shards(monkeypatch, recipe_for(llama_dir, data_file, tmp_path / "cache", "data.max_val_sequences=3"))
+def test_a_stopped_build_of_other_settings_starts_over(llama_dir, data_file, caches, tmp_path, monkeypatch, capsys):
+    stop_after_two_shards(monkeypatch, recipe_for(llama_dir, data_file, tmp_path / "cache", "data.cache_dtype=float32"))
     stop_after_two_shards(monkeypatch, recipe_for(llama_dir, data_file, tmp_path / "cache"))
-    assert "resuming" not in capsys.readouterr().out
+    assert "already built" not in capsys.readouterr().out
     hidden_cache.build(recipe_for(llama_dir, data_file, tmp_path / "cache"))
-    assert "resuming" in capsys.readouterr().out
+    assert "already built" in capsys.readouterr().out
+    same_cache(tmp_path / "cache", caches["bfloat16"])
+
+
+def test_a_cache_rebuilt_for_a_grown_file_computes_only_the_new_rows(llama_dir, data_file, tmp_path, monkeypatch,
+                                                                      capsys):
+    """Regeneration appends conversations: the cache of the first 60 grows to 100 reusing its whole
+    shards, byte for byte what a build of the 100 from nothing writes."""
+    monkeypatch.setattr(hidden_cache, "SHARD_BYTES", ROWS_PER_SHARD * (len(LAYER_IDS) + 1) * SEQ_LEN * 32 * 2)
+    small = hidden_cache.build(recipe_for(llama_dir, data_file, tmp_path / "cache", "data.max_examples=60"))
+    old_shards = json.loads((small / "index.json").read_text())["shards"]["train"]
+    reference = hidden_cache.build(recipe_for(llama_dir, data_file, tmp_path / "reference"))
+    capsys.readouterr()
+    save, written = hidden_cache.save_file, []
+    monkeypatch.setattr(hidden_cache, "save_file", lambda tensors, path: (written.append(path.name), save(tensors, path)))
+    with pytest.raises(UserError, match="already exists; pass overwrite=true"):
+        hidden_cache.build(recipe_for(llama_dir, data_file, small))
+    hidden_cache.build(recipe_for(llama_dir, data_file, small, "overwrite=true"))
+    assert f"rows already built ({small}), computing the rest" in capsys.readouterr().out
+    assert len(old_shards) > 2 and written  # the new rows were computed, the old full shards kept:
+    assert not {shard["file"] for shard in old_shards[:-1]} & set(written)
+    same_cache(small, reference)
+    assert not small.with_name("cache.partial").exists() and not small.with_name("cache.previous").exists()
 
 
 def test_a_missing_cache_and_an_existing_output_are_one_line_errors(llama_dir, data_file, caches, tmp_path):

@@ -12,8 +12,11 @@ target's lm_head recomputes in training (V/H times fewer bytes: 31x for Llama 3 
 check on the first batch refuses a target whose logits are more than that, e.g. soft-capped).
 float8_e4m3 scales each token's vector of each layer by its absmax / 448 (`scale`, float32).
 
-A build writes into <cache_dir>.partial and records each finished shard (about 1 GiB) in its
-progress.json: stopped, the same command resumes after the last one.
+A build writes into <cache_dir>.partial and records each finished shard (about 1 GiB), with a
+fingerprint of the token rows it holds, in its progress.json. A shard whose rows an earlier build
+already holds is taken from it: stopped, the same command resumes where it was; rebuilt with
+overwrite=true for a folder grown by train/regenerate.py (a larger data.max_examples), only the new
+rows are computed, since whole examples are packed in order and the old rows come first.
 
 index.json records what the cache was built from; training refuses a cache whose target
 weights, layer ids, quantization, data rows, storage dtype or seq_len differ from its own.
@@ -21,6 +24,7 @@ weights, layer ids, quantization, data rows, storage dtype or seq_len differ fro
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -41,7 +45,8 @@ from train.recipes import DrafterRecipe
 STORED = {"bfloat16": torch.bfloat16, "float8_e4m3": torch.float8_e4m3fn, "float32": torch.float32}
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 SHARD_BYTES = 1 << 30
-CHECKED = ("target_fingerprint", "layer_ids", "quant", "dtype", "seq_len", "data_fingerprint")
+SETTINGS = ("target_fingerprint", "layer_ids", "quant", "dtype", "seq_len")  # what a shard's bytes depend on
+CHECKED = (*SETTINGS, "data_fingerprint")
 
 
 def identity(recipe, target: FrozenTarget, data: TextDataModule) -> dict:
@@ -69,8 +74,8 @@ def decode(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 # Building ---------------------------------------------------------------------------------------
 
 def build(recipe, device: str = "cpu") -> Path:
-    """Write data.cache_dir (through a .partial folder renamed into place) and return it. An
-    interrupted build resumes after its last finished shard when run again with the same config."""
+    """Write data.cache_dir (through a .partial folder renamed into place) and return it, taking the
+    shards whose rows a stopped build or the cache it replaces already holds."""
     out = Path(recipe.data.cache_dir)
     check_writable(out, recipe.overwrite)
     target = FrozenTarget.load(recipe.target, recipe.quant).to(device)
@@ -78,18 +83,30 @@ def build(recipe, device: str = "cpu") -> Path:
     data.setup("fit")
     built_from = identity(recipe, target, data)
     partial = out.with_name(out.name + ".partial")
-    progress = Progress(partial, built_from)
-    splits = {"train": data.train_rows, "validation": data.val_rows}
-    with tqdm(total=sum(len(rows) for rows in splits.values()), unit="row", desc="hidden states") as bar:
-        bar.update(progress.rows_done())
-        for split, rows in splits.items():
-            write_split(target, rows, recipe.data, progress, split, bar)
-    tokens = sum(len(rows) for rows in splits.values()) * recipe.data.seq_len
-    shards = progress.shards
-    size = sum((partial / shard["file"]).stat().st_size for split in shards.values() for shard in split)
+    progress = Progress(partial, built_from, previous=out)
+    row_bytes = (len(target.layer_ids) + 1) * recipe.data.seq_len * target.hidden_size
+    plan = shard_plan({"train": data.train_rows, "validation": data.val_rows},
+                      max(1, SHARD_BYTES // (row_bytes * STORED[recipe.data.cache_dtype].itemsize)))
+    taken = [(len(rows), progress.reusable[fp].parent) for *_, rows, fp in plan if fp in progress.reusable]
+    total = sum(len(rows) for *_, rows, _ in plan)
+    if taken:
+        sources = " and ".join(sorted({str(folder) for _, folder in taken}))
+        print(f"hidden-state cache: {sum(n for n, _ in taken)} of {total} rows already built ({sources}), "
+              "computing the rest")
+    checked = False
+    with tqdm(total=total, unit="row", desc="hidden states") as bar:
+        for split, name, rows, fingerprint in plan:
+            if progress.take(split, name, fingerprint, len(rows)):
+                bar.update(len(rows))
+            else:
+                write_shard(target, rows, recipe.data, progress, (split, name, fingerprint), bar, check=not checked)
+                checked = True
+    progress.remove_unused()
+    tokens = total * recipe.data.seq_len
+    size = sum((partial / shard["file"]).stat().st_size for split in progress.shards.values() for shard in split)
     index = {**built_from, "target_dtype": recipe.target.dtype, "hidden_size": target.hidden_size,
-             "rows": {split: len(rows) for split, rows in splits.items()}, "bytes": size,
-             "bytes_per_token": size / tokens, "shards": shards}
+             "rows": {split: sum(s["rows"] for s in shards) for split, shards in progress.shards.items()},
+             "bytes": size, "bytes_per_token": size / tokens, "shards": progress.shards}
     (partial / "index.json").write_text(json.dumps(index, indent=2))
     progress.path.unlink()
     move_into_place(partial, out)
@@ -98,49 +115,87 @@ def build(recipe, device: str = "cpu") -> Path:
     return out
 
 
-class Progress:
-    """The shards a build has finished in its .partial folder, recorded after each one, so a build
-    stopped after an hour resumes there; a .partial built from anything else starts over."""
+def rows_fingerprint(rows: torch.Tensor) -> str:
+    """What a shard's hidden states depend on besides the settings: its rows' token ids, in order."""
+    return hashlib.sha256(rows.contiguous().numpy().tobytes()).hexdigest()[:16]
 
-    def __init__(self, folder: Path, built_from: dict):
+
+def shard_plan(splits: dict[str, torch.Tensor], per_shard: int) -> list[tuple[str, str, torch.Tensor, str]]:
+    """(split, file name, rows, rows fingerprint) of each shard: a split's rows in order, per_shard at a time."""
+    plan = []
+    for split, rows in splits.items():
+        for number, start in enumerate(range(0, len(rows), per_shard)):
+            chunk = rows[start : start + per_shard]
+            fingerprint = rows_fingerprint(chunk)
+            plan.append((split, f"{split}-{number:05d}-{fingerprint}.safetensors", chunk, fingerprint))
+    return plan
+
+
+def same_settings(record: dict | None, built_from: dict) -> bool:
+    return record is not None and all(record.get(key) == built_from[key] for key in SETTINGS)
+
+
+class Progress:
+    """The shards a build has finished in its .partial folder, recorded after each one, and the
+    shards it may take instead of computing: those a stopped build with the same settings left in
+    .partial, and those of the cache it replaces. A .partial built with other settings starts over."""
+
+    def __init__(self, folder: Path, built_from: dict, previous: Path):
         self.folder, self.path, self.built_from = folder, folder / "progress.json", built_from
-        previous = json.loads(self.path.read_text()) if self.path.is_file() else None
-        if previous and all(previous[key] == built_from[key] for key in CHECKED):
-            self.shards = previous["shards"]
-            print(f"hidden-state cache: resuming {folder}: {self.rows_done()} rows already written")
-        else:
+        stopped = json.loads(self.path.read_text()) if self.path.is_file() else None
+        if not same_settings(stopped, built_from):
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
-            self.shards = {}
+            stopped = None
+        replaced = json.loads((previous / "index.json").read_text()) if (previous / "index.json").is_file() else None
+        self.reusable: dict[str, Path] = {}  # rows fingerprint -> a shard file holding those rows
+        for source, record in ((previous, replaced), (folder, stopped)):
+            if same_settings(record, built_from):
+                for shard in (shard for shards in record["shards"].values() for shard in shards):
+                    if "rows_fingerprint" in shard:  # caches built before fingerprints are rebuilt
+                        self.reusable[shard["rows_fingerprint"]] = source / shard["file"]
+        self.shards: dict[str, list[dict]] = {}
 
-    def rows_done(self, split: str | None = None) -> int:
-        splits = [split] if split else list(self.shards)
-        return sum(shard["rows"] for name in splits for shard in self.shards.get(name, []))
+    def take(self, split: str, name: str, fingerprint: str, rows: int) -> bool:
+        """Record the shard `name` from an earlier build of the same rows (hard-linked), if there is one."""
+        source, target = self.reusable.get(fingerprint), self.folder / name
+        if source is None:
+            return False
+        if source != target:
+            target.unlink(missing_ok=True)
+            try:
+                os.link(source, target)
+            except OSError:  # another file system
+                shutil.copyfile(source, target)
+        self.add(split, name, rows, fingerprint)
+        return True
 
-    def add(self, split: str, name: str, rows: int) -> None:
-        self.shards[split].append({"file": name, "rows": rows})
+    def add(self, split: str, name: str, rows: int, fingerprint: str) -> None:
+        self.shards.setdefault(split, []).append({"file": name, "rows": rows, "rows_fingerprint": fingerprint})
         self.path.write_text(json.dumps({**self.built_from, "shards": self.shards}, indent=2))
 
+    def remove_unused(self) -> None:
+        """Delete what a stopped build of other rows left in .partial."""
+        used = {shard["file"] for shards in self.shards.values() for shard in shards} | {self.path.name}
+        for file in self.folder.iterdir():
+            if file.name not in used:
+                file.unlink()
 
-def write_split(target: FrozenTarget, rows: torch.Tensor, cfg, progress: Progress, split: str, bar) -> None:
-    """Shards of about SHARD_BYTES holding the split's rows in order, from the first row not yet written."""
-    device = target.device
-    row_bytes = (len(target.layer_ids) + 1) * cfg.seq_len * target.hidden_size * STORED[cfg.cache_dtype].itemsize
-    per_shard, checked = max(1, SHARD_BYTES // row_bytes), bool(progress.rows_done())
-    progress.shards.setdefault(split, [])
-    for start in range(progress.rows_done(split), len(rows), per_shard):
-        parts = []
-        for batch in rows[start : start + per_shard].split(cfg.batch_size):
-            out = target(batch.to(device))
-            if not checked:
-                check_logits_recomputable(target, out)
-                checked = True
-            parts.append(torch.stack([*out.aux_hidden, out.last_hidden], 1).cpu())
-            bar.update(len(batch))
-        hidden = torch.cat(parts)
-        name = f"{split}-{len(progress.shards[split]):05d}.safetensors"
-        save_file(encode(hidden, cfg.cache_dtype), progress.folder / name)
-        progress.add(split, name, len(hidden))
+
+def write_shard(target: FrozenTarget, rows: torch.Tensor, cfg, progress: Progress, shard: tuple, bar,
+                check: bool) -> None:
+    """Run the target over `rows` batch by batch and save their hidden states as one shard."""
+    parts = []
+    for batch in rows.split(cfg.batch_size):
+        out = target(batch.to(target.device))
+        if check:
+            check_logits_recomputable(target, out)
+            check = False
+        parts.append(torch.stack([*out.aux_hidden, out.last_hidden], 1).cpu())
+        bar.update(len(batch))
+    split, name, fingerprint = shard
+    save_file(encode(torch.cat(parts), cfg.cache_dtype), progress.folder / name)
+    progress.add(split, name, len(rows), fingerprint)
 
 
 def check_logits_recomputable(target: FrozenTarget, out) -> None:
