@@ -84,9 +84,9 @@ def build(recipe, device: str = "cpu") -> Path:
     built_from = identity(recipe, target, data)
     partial = out.with_name(out.name + ".partial")
     progress = Progress(partial, built_from, previous=out)
-    row_bytes = (len(target.layer_ids) + 1) * recipe.data.seq_len * target.hidden_size
+    row_values = (len(target.layer_ids) + 1) * recipe.data.seq_len * target.hidden_size
     plan = shard_plan({"train": data.train_rows, "validation": data.val_rows},
-                      max(1, SHARD_BYTES // (row_bytes * STORED[recipe.data.cache_dtype].itemsize)))
+                      max(1, SHARD_BYTES // (row_values * STORED[recipe.data.cache_dtype].itemsize)))
     taken = [(len(rows), progress.reusable[fp].parent) for *_, rows, fp in plan if fp in progress.reusable]
     total = sum(len(rows) for *_, rows, _ in plan)
     if taken:
