@@ -110,7 +110,7 @@ class RunKeys:
     seed: int
     resume: str | None
     init_from: str | None  # a saved result (pretrain: a target folder; drafter: an export) whose weights this run continues
-    overwrite: bool  # replace the run's result (export/, model/) if the run directory already has one
+    overwrite: bool  # replace the run's result (export/, model/) if the run directory already has one, or data.cache_dir
 
     def __post_init__(self):
         require(0 <= self.seed < 2**32, "seed", self.seed, "in [0, 2**32 - 1] (NumPy's seed range)")
