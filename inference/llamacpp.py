@@ -70,11 +70,6 @@ def build(jobs: int = 2) -> Path:
     return bin_dir
 
 
-def source_dir() -> Path:
-    """llama.cpp's source (vendor/llama.cpp of the sdist): its converter and gguf-py live there."""
-    return unpack_source()
-
-
 def unpack_source() -> Path:
     source = cache_dir() / "src"
     if (source / "CMakeLists.txt").is_file():

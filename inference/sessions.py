@@ -3,7 +3,7 @@
 `StaticSession` runs a Llama-family target (Llama, Qwen2, Qwen3, Mistral) with a short loop
 over its own transformers modules and a preallocated cache, gpt-fast style: rolling back is
 moving `length`, and one decode step is a few dozen PyTorch calls. Per-call overhead, not
-arithmetic, decides decode speed for small models on CPUs (DESIGN.md section 5), and HF's
+arithmetic, decides decode speed for small models on CPUs (docs/real-target.md, decode cost), and HF's
 generic forward spends most of a step there. `HFSession` runs any other causal LM through
 transformers with a DynamicCache. Both return a speculators.target.TargetOutput.
 

@@ -124,9 +124,3 @@ def convert(path: Path, out: Path) -> None:
     model.hf_quantizer = None
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-
-
-def tensor_types(reader: gguf.GGUFReader) -> dict[str, str]:
-    """{GGUF tensor name: its type name (Q4_1, Q8_0, F32, ...)}."""
-    return {t.name: t.tensor_type.name for t in reader.tensors}
-
