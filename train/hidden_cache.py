@@ -85,10 +85,10 @@ def build(recipe, device: str = "cpu") -> Path:
     partial = out.with_name(out.name + ".partial")
     progress = Progress(partial, built_from, previous=out)
     row_values = (len(target.layer_ids) + 1) * recipe.data.seq_len * target.hidden_size
-    plan = shard_plan({"train": data.train_rows, "validation": data.val_rows},
-                      max(1, SHARD_BYTES // (row_values * STORED[recipe.data.cache_dtype].itemsize)))
+    splits = {"train": data.train_rows, "validation": data.val_rows}
+    plan = shard_plan(splits, max(1, SHARD_BYTES // (row_values * STORED[recipe.data.cache_dtype].itemsize)))
     taken = [(len(rows), progress.reusable[fp].parent) for *_, rows, fp in plan if fp in progress.reusable]
-    total = sum(len(rows) for *_, rows, _ in plan)
+    total = sum(len(rows) for rows in splits.values())
     if taken:
         sources = " and ".join(sorted({str(folder) for _, folder in taken}))
         print(f"hidden-state cache: {sum(n for n, _ in taken)} of {total} rows already built ({sources}), "
@@ -105,7 +105,7 @@ def build(recipe, device: str = "cpu") -> Path:
     tokens = total * recipe.data.seq_len
     size = sum((partial / shard["file"]).stat().st_size for split in progress.shards.values() for shard in split)
     index = {**built_from, "target_dtype": recipe.target.dtype, "hidden_size": target.hidden_size,
-             "rows": {split: sum(s["rows"] for s in shards) for split, shards in progress.shards.items()},
+             "rows": {split: len(rows) for split, rows in splits.items()},
              "bytes": size, "bytes_per_token": size / tokens, "shards": progress.shards}
     (partial / "index.json").write_text(json.dumps(index, indent=2))
     progress.path.unlink()
