@@ -10,6 +10,8 @@ repeat so every method sees the same machine load; figures are medians over repe
   K-token chains and (for drafters that have one) tree drafts; K = num_speculative_tokens, or
   the drafter's own (the depth it was trained for) when null;
 - hf_greedy: transformers' generate (for reference: how fast the stock loop is);
+- speculative_chain_min_prob<p>: chains of K that stop before a draft the drafter's top probability is below p
+  (drafting.chain_min_prob, llama.cpp's --draft-p-min), for each p in chain_min_probs;
 - speculative_chain_k<K>_lookup: chains of K behind n-gram lookup (inference.drafting.LookupProposer: a
   lookup chain when the context's last n tokens occurred before, the drafter's chain otherwise), for each
   K in lookup_chain_lengths;
@@ -46,6 +48,7 @@ class BenchConfig:
     num_speculative_tokens: int | None = None  # K; None: the drafter's own
     modes: list[str] | None = None  # drafting modes to run (chain, tree); None: every mode the drafter has
     chain_lengths: list[int] = field(default_factory=list)  # more chain lengths K to time beside the drafter's own
+    chain_min_probs: list[float] = field(default_factory=list)  # chains of K ending where the drafter is unsure
     tree_top_k: int = 4  # as in inference.drafting.DraftingConfig
     tree_total_tokens: int = 16
     lookup_chain_lengths: list[int] = field(default_factory=list)  # K of chains behind n-gram lookup, e.g. [1]
@@ -63,6 +66,8 @@ class BenchConfig:
         self.lookup()  # validates the lookup settings
         for key in ("chain_lengths", "lookup_chain_lengths"):
             require(all(k >= 1 for k in getattr(self, key)), key, getattr(self, key), "chain lengths >= 1")
+        for p in self.chain_min_probs:
+            drafting.DraftingConfig(chain_min_prob=p)  # validates each
 
     def lookup(self) -> "drafting.DraftingConfig":
         """Chains behind n-gram lookup, as these settings draft them."""
@@ -91,6 +96,9 @@ def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
         **{f"speculative_{mode}": speculative(mode, cfg.num_speculative_tokens)
            for mode in cfg.modes or drafting.modes(drafter)},
         **{f"speculative_chain_k{k}": speculative("chain", k) for k in cfg.chain_lengths},
+        **{f"speculative_chain_min_prob{p}": speculative("chain", cfg.num_speculative_tokens,
+                                                          drafting.DraftingConfig(chain_min_prob=p))
+           for p in cfg.chain_min_probs},
         **{f"speculative_chain_k{k}_lookup": speculative("chain", k, cfg.lookup()) for k in cfg.lookup_chain_lengths},
         "hf_greedy": hf_generate,
         "hf_prompt_lookup": lambda ids: hf_generate(ids, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens,

@@ -39,6 +39,8 @@ class DraftingConfig:
     prompt_lookup_max: int = 0  # > 0: draft a chain by n-gram lookup when one matches (LookupProposer), else the drafter
     prompt_lookup_min: int = 2  # the shortest n-gram that counts as a match
     prompt_lookup_tokens: int | None = None  # tokens in a lookup chain; None: K
+    chain_min_prob: float = 0.0  # > 0: an EAGLE chain stops before a draft its drafter's top probability is below
+    # (llama.cpp's --draft-p-min); the first draft is always made, as verifying it costs next to nothing
 
     def __post_init__(self):
         one_of("drafting.mode", self.mode, ("chain", "tree"))
@@ -47,6 +49,21 @@ class DraftingConfig:
         require(self.prompt_lookup_max == 0 or self.prompt_lookup_max >= self.prompt_lookup_min,
                 "drafting.prompt_lookup_max", self.prompt_lookup_max,
                 f"0 (off) or at least drafting.prompt_lookup_min={self.prompt_lookup_min}")
+        require(0 <= self.chain_min_prob < 1, "drafting.chain_min_prob", self.chain_min_prob, "in [0, 1) (0: off)")
+
+    def check_batch(self, batch_size: int) -> None:
+        """Batches draft fixed-length chains: refuse what drafts one prompt at a time, with one line."""
+        if batch_size == 1:
+            return
+        if self.mode == "tree":
+            raise UserError(f"drafting.mode=tree decodes one prompt at a time; batch_size={batch_size} needs "
+                            f"drafting.mode=chain (or batch_size=1)")
+        if self.prompt_lookup_max:
+            raise UserError(f"drafting.prompt_lookup_max={self.prompt_lookup_max}: n-gram lookup drafts one prompt "
+                            f"at a time; use batch_size=1 (or drafting.prompt_lookup_max=0)")
+        if self.chain_min_prob:
+            raise UserError(f"drafting.chain_min_prob={self.chain_min_prob}: chains of their own length draft one "
+                            f"prompt at a time; use batch_size=1 (or drafting.chain_min_prob=0)")
 
     def lookup_length(self, k: int) -> int:
         """Tokens in a lookup chain next to the drafter's K; 0 with lookup off."""
@@ -110,7 +127,14 @@ class DrafterCacheProposer:
 class ChainProposer(DrafterCacheProposer):
     """EAGLE-1/3 chains: K drafter steps, each feeding its output hidden state to the next.
     Drafter cache position t holds (token t+1, features of position t); the drafted steps
-    are appended and then cropped, so the cache only ever keeps verified positions."""
+    are appended and then cropped, so the cache only ever keeps verified positions.
+    With drafting.chain_min_prob the chain ends early where the drafter is unsure. The
+    decision reads the drafter's distribution, never the token drawn from it, so sampled
+    verification stays lossless."""
+
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
+        super().__init__(drafter, k, vocab_size, max_len, drafting)
+        self.min_prob = drafting.chain_min_prob
 
     def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
         self.logits, self.hidden = self.drafter.step(self.cache, torch.tensor([new_tokens]),
@@ -122,6 +146,8 @@ class ChainProposer(DrafterCacheProposer):
         for i in range(self.k):
             if i:
                 logits, hidden = self.drafter.step(self.cache, torch.tensor([tokens[-1:]]), hidden[:, -1:])
+                if self.min_prob and torch.softmax(logits[0, -1], -1).max() < self.min_prob:
+                    break
             if temperature == 0:
                 tokens.append(int(self.to_target[logits[0, -1].argmax()]))
             else:
@@ -229,6 +255,9 @@ def make_proposer(drafter, k: int, vocab_size: int, max_len: int, drafting: Draf
         raise UserError(f"drafting.mode={drafting.mode!r} is not available for a {type(drafter).__name__}; "
                         f"allowed: {', '.join(modes(drafter))}")
     proposer = PROPOSERS[drafter.drafting_kind, drafting.mode](drafter, k, vocab_size, max_len, drafting)
+    if drafting.chain_min_prob and type(proposer) is not ChainProposer:
+        raise UserError(f"drafting.chain_min_prob={drafting.chain_min_prob} ends EAGLE chains early; a "
+                        f"{type(drafter).__name__} in drafting.mode={drafting.mode} drafts otherwise (set it to 0)")
     if drafting.prompt_lookup_max:
         return LookupProposer(proposer, k, vocab_size, drafting)
     return proposer

@@ -218,12 +218,7 @@ def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_
         return BatchGeneration([one.tokens], one.stats)
     if tolerance:
         raise UserError(f"acceptance_tolerance={tolerance} relaxes one prompt's verification; use batch_size=1")
-    if drafting.mode == "tree":
-        raise UserError(f"drafting.mode=tree decodes one prompt at a time; {len(prompts)} prompts in a batch need "
-                        f"drafting.mode=chain (or batch_size=1)")
-    if drafting.prompt_lookup_max:
-        raise UserError(f"drafting.prompt_lookup_max={drafting.prompt_lookup_max}: n-gram lookup drafts one prompt at "
-                        f"a time; use batch_size=1 (or drafting.prompt_lookup_max=0)")
+    drafting.check_batch(len(prompts))
     longest = max(len(prompt) for prompt in prompts)
     limit = target.config.max_position_embeddings
     if longest + max_new_tokens + k + 1 > limit:

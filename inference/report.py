@@ -49,13 +49,7 @@ class InferenceConfig:
         require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 0, "num_speculative_tokens",
                 self.num_speculative_tokens, ">= 0, or null for the drafter's own")
         at_least(1, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
-        if self.batch_size > 1 and self.drafting.mode == "tree":
-            raise UserError(f"drafting.mode=tree decodes one prompt at a time; batch_size={self.batch_size} needs "
-                            f"drafting.mode=chain (or batch_size=1)")
-        if self.batch_size > 1 and self.drafting.prompt_lookup_max:
-            raise UserError(f"drafting.prompt_lookup_max={self.drafting.prompt_lookup_max}: n-gram lookup drafts one "
-                            f"prompt at a time; batch_size={self.batch_size} needs drafting.prompt_lookup_max=0 "
-                            f"(or batch_size=1)")
+        self.drafting.check_batch(self.batch_size)
         require(0 <= self.seed < 2**32, "seed", self.seed, "in [0, 2**32 - 1], as for training")
         require(0 <= self.acceptance_tolerance < 1, "acceptance_tolerance", self.acceptance_tolerance,
                 "in [0, 1) (0: exact greedy verification)")
@@ -276,6 +270,9 @@ def table(report: dict) -> str:
     lines += [
         f"acceptance length tau: {report['acceptance_length']:.3f} over {report['num_drafts']} drafts",
         *([lookup_line(report)] if report["lookup_drafts"] else []),
+        *([f"  chains of {report['num_draft_tokens'] / report['num_drafts']:.2f} drafts on average (stopped "
+           f"where the drafter's top probability fell below drafting.chain_min_prob={min_prob})"]
+          if (min_prob := report["config"]["drafting"]["chain_min_prob"]) else []),
         *[f"  turn {turn}: tau {figures['acceptance_length']:.3f}, speed-up {figures['speedup']:.2f}x "
           f"({figures['num_prompts']} prompts)" for turn, figures in (report["per_turn"] or {}).items()],
         f"tokens/s: {report['tokens_per_second']:.1f} speculative vs {report['baseline_tokens_per_second']:.1f} "

@@ -523,3 +523,67 @@ def test_typical_acceptance_is_off_by_default_and_relaxes_only_when_asked(llama_
         generate(llama_target, drafter, prompt, 10, 4, temperature=1.0, tolerance=0.5)
     with pytest.raises(UserError, match="use batch_size=1"):
         engine.generate_batch(llama_target, drafter, [prompt, prompt], 10, 4, tolerance=0.5)
+
+
+def test_chains_stop_where_the_drafter_is_unsure(llama_target, make_drafter, text_batch, monkeypatch):
+    """drafting.chain_min_prob: a chain stops before a draft whose drafter top probability is below it (never
+    before the first); 0 is the fixed chain of K; greedy output stays target-only's at every threshold."""
+    drafter = make_drafter(llama_target).eval()
+    prompt, k = text_batch[0, :12].tolist(), 4
+    tops = []  # the drafter's top probability at every step (its reads of accepted positions too)
+    step = drafter.step
+
+    def recording_step(cache, tokens, hidden, **kw):
+        logits, out = step(cache, tokens, hidden, **kw)
+        tops.append(float(torch.softmax(logits[0, -1], -1).max()))
+        return logits, out
+
+    alone = generate(llama_target, None, prompt, 40, 0).tokens
+    fixed = generate(llama_target, drafter, prompt, 40, k)
+    monkeypatch.setattr(drafter, "step", recording_step)
+    generate(llama_target, drafter, prompt, 40, k, drafting=DraftingConfig(chain_min_prob=0.0))
+    middle = sorted(tops)[len(tops) // 2]  # half the later steps fall below it
+    monkeypatch.undo()
+    lengths = {}
+    for p in (0.0, middle, 0.999):
+        spec = generate(llama_target, drafter, prompt, 40, k, drafting=DraftingConfig(chain_min_prob=p))
+        assert spec.tokens == alone
+        assert spec.stats.num_drafts <= spec.stats.num_draft_tokens <= k * spec.stats.num_drafts
+        lengths[p] = spec.stats.num_draft_tokens / spec.stats.num_drafts
+    assert fixed.stats.num_draft_tokens == k * fixed.stats.num_drafts and lengths[0.0] == k
+    assert 1 < lengths[middle] < k  # the threshold splits: some chains end early, not all at once
+    assert lengths[0.999] == 1  # a random drafter is never that sure: every chain is its first draft
+
+
+def test_sampled_chains_that_stop_early_stay_lossless():
+    """Where a chain stops depends on the drafter's distribution, never on the token drawn from it,
+    so rejection sampling still emits the target's law (the two-token test of the fixed chains)."""
+    target = tiny_target(8)
+    torch.manual_seed(2)
+    drafter = Eagle3Drafter.from_target(Eagle3Config(draft_vocab_size=6), target, torch.arange(8, 0, -1))
+    stats = check_two_token_law(target, drafter, drafting=DraftingConfig(chain_min_prob=0.3))
+    assert stats.num_drafts < stats.num_draft_tokens < 3 * stats.num_drafts  # chains of 1 to 3 drafts
+
+
+def test_the_report_says_how_long_the_chains_were():
+    from inference.report import table
+
+    figures = {"acceptance_rate_per_position": [0.5, 0.2], "acceptance_length": 1.7, "num_drafts": 10,
+               "num_draft_tokens": 25, "num_accepted_tokens": 7, "lookup_drafts": 0, "per_turn": None,
+               "tokens_per_second": 2.0, "baseline_tokens_per_second": 1.0, "speedup": 2.0, "time_split_s": {},
+               "outputs_match_baseline": True, "config": {"drafting": {"chain_min_prob": 0.4}}}
+    assert "chains of 2.50 drafts on average" in table(figures)
+    figures["config"]["drafting"]["chain_min_prob"] = 0.0
+    assert "chains of" not in table(figures)
+
+
+def test_chain_min_prob_is_refused_where_it_does_not_apply(llama_target, make_drafter, text_batch):
+    drafter, prompt = make_drafter(llama_target), text_batch[0, :12].tolist()
+    with pytest.raises(UserError, match="drafting.chain_min_prob"):
+        DraftingConfig(chain_min_prob=1.0)
+    unsure = DraftingConfig(mode="tree", chain_min_prob=0.5)
+    with pytest.raises(UserError, match="ends EAGLE chains early") as error:
+        generate(llama_target, drafter, prompt, 8, 3, drafting=unsure)
+    assert "\n" not in str(error.value)
+    with pytest.raises(UserError, match="use batch_size=1"):
+        engine.generate_batch(llama_target, drafter, [prompt, prompt], 8, 3, drafting=DraftingConfig(chain_min_prob=0.5))

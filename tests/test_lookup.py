@@ -84,7 +84,8 @@ def test_sampling_with_lookup_stays_lossless():
 def test_report_says_how_the_drafts_split():
     figures = {"acceptance_rate_per_position": [0.5], "acceptance_length": 2.0, "num_drafts": 10, "lookup_drafts": 4,
                "lookup_accepted_tokens": 8, "num_accepted_tokens": 10, "per_turn": None, "tokens_per_second": 2.0,
-               "baseline_tokens_per_second": 1.0, "speedup": 2.0, "time_split_s": {}, "outputs_match_baseline": True}
+               "baseline_tokens_per_second": 1.0, "speedup": 2.0, "time_split_s": {}, "outputs_match_baseline": True,
+               "config": {"drafting": {"chain_min_prob": 0.0}}}
     assert "n-gram lookup drafted 4 of 10 (40%), tau there 3.000; the drafter's tau 1.333" in table(figures)
 
 
