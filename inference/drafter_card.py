@@ -10,7 +10,8 @@ against (training.json's quant, e.g. gguf: the file's own 4-bit blocks):
   (inference.drafting.LookupProposer), first turns in trees, ShareGPT's test split, and MT-bench first
   turns at temperature 1 (lossless sampling);
 - speed on MT-bench first turns, on the fp32 target and on the served (packed) one: target-only
-  decoding in our engine, speculative chains and trees, chains behind n-gram lookup, transformers'
+  decoding in our engine, speculative chains (fixed, and ending where the drafter is unsure) and trees,
+  chains behind n-gram lookup, transformers'
   generate and prompt lookup;
   with the time split of a chain and the bound tau / (1 + K c) its measured costs set;
 - llama.cpp on the same GGUF (a target served from one): its plain decoding, n-gram speculation and this
@@ -54,6 +55,7 @@ class DrafterCardConfig:
     repeats: int = 3
     chain_lengths: list[int] = field(default_factory=lambda: [1, 2, 3])  # shorter chains timed beside K
     lookup_chain_lengths: list[int] = field(default_factory=lambda: [1, 5])  # K of chains behind n-gram lookup timed
+    chain_min_probs: list[float] = field(default_factory=lambda: [0.4])  # chains of K ending where the drafter is unsure
     check_prompts: int = 3  # what the shipped-drafter test serves again
     check_new_tokens: int = 48
 
@@ -98,13 +100,14 @@ def serve(target, drafter, served: QuantConfig, eval_cfg: EvalConfig, drafting: 
 
 def speed(target, drafter, cfg: DrafterCardConfig) -> dict:
     """bench.run on MT-bench first turns: tokens/s and speed-up over our own target-only decoding, for
-    chains of the drafter's K, trees, the shorter chains cfg.chain_lengths and chains behind n-gram lookup."""
+    chains of the drafter's K, trees, the shorter chains cfg.chain_lengths, chains of K that stop where the
+    drafter is unsure (cfg.chain_min_probs) and chains behind n-gram lookup."""
     eval_cfg = EvalConfig("mtbench", num_prompts=cfg.speed_prompts, turns=1)
     prompts = [p.ids for p in evalsets.prompts(eval_cfg, target, cfg.max_new_tokens)]
     shorter = [k for k in cfg.chain_lengths if k != drafter.num_speculative_tokens]
     bench_cfg = bench.BenchConfig(drafter=cfg.drafter, eval=eval_cfg, max_new_tokens=cfg.max_new_tokens,
                                   repeats=cfg.repeats, chain_lengths=shorter,
-                                  lookup_chain_lengths=cfg.lookup_chain_lengths)
+                                  lookup_chain_lengths=cfg.lookup_chain_lengths, chain_min_probs=cfg.chain_min_probs)
     return bench.run(target, drafter, None, prompts, bench_cfg)
 
 
