@@ -254,10 +254,11 @@ def make_proposer(drafter, k: int, vocab_size: int, max_len: int, drafting: Draf
     if drafting.mode not in modes(drafter):
         raise UserError(f"drafting.mode={drafting.mode!r} is not available for a {type(drafter).__name__}; "
                         f"allowed: {', '.join(modes(drafter))}")
-    proposer = PROPOSERS[drafter.drafting_kind, drafting.mode](drafter, k, vocab_size, max_len, drafting)
-    if drafting.chain_min_prob and type(proposer) is not ChainProposer:
+    proposer_class = PROPOSERS[drafter.drafting_kind, drafting.mode]
+    if drafting.chain_min_prob and proposer_class is not ChainProposer:
         raise UserError(f"drafting.chain_min_prob={drafting.chain_min_prob} ends EAGLE chains early; a "
                         f"{type(drafter).__name__} in drafting.mode={drafting.mode} drafts otherwise (set it to 0)")
+    proposer = proposer_class(drafter, k, vocab_size, max_len, drafting)
     if drafting.prompt_lookup_max:
         return LookupProposer(proposer, k, vocab_size, drafting)
     return proposer
