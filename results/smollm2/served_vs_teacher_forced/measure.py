@@ -34,7 +34,7 @@ def recording_propose(self, temperature, generator):
 
 
 ChainProposer.propose = recording_propose
-counts = dict(steps=0, served_accepted=0, teacher_forced_right_at_steps=0, served_equals_teacher_forced=0,
+counts = dict(steps=0, served_accepted=0, teacher_forced_right_at_steps=0, steps_served_equals_teacher_forced=0,
               tokens=0, teacher_forced_right=0)
 for prompt in prompts:
     served.clear()
@@ -49,13 +49,13 @@ for prompt in prompts:
             counts["steps"] += 1
             counts["served_accepted"] += first == seq[t + 2]
             counts["teacher_forced_right_at_steps"] += predicted[t] == seq[t + 2]
-            counts["served_equals_teacher_forced"] += first == predicted[t]
+            counts["steps_served_equals_teacher_forced"] += first == predicted[t]
     for t in range(len(prompt.ids) - 1, len(seq) - 2):
         counts["tokens"] += 1
         counts["teacher_forced_right"] += predicted[t] == seq[t + 2]
 rates = {"served_first_draft_acceptance": counts["served_accepted"] / counts["steps"],
          "teacher_forced_accuracy_at_steps": counts["teacher_forced_right_at_steps"] / counts["steps"],
-         "served_equals_teacher_forced": counts["served_equals_teacher_forced"] / counts["steps"],
+         "served_equals_teacher_forced": counts["steps_served_equals_teacher_forced"] / counts["steps"],
          "teacher_forced_accuracy_over_all_tokens": counts["teacher_forced_right"] / counts["tokens"]}
 print(json.dumps({"drafter": drafter_path, "eval": eval_name, "num_prompts": num_prompts, "max_new_tokens": 128,
                   "k": 5, "target": target.name_or_path} | counts | rates, indent=1))
