@@ -1,8 +1,8 @@
 """llama.cpp, built from the source the llama-cpp-python sdist vendors, as a peer engine.
 
 `build()` downloads the sdist with pip (no install), builds llama.cpp's tools with cmake + ninja
-once per version into $SPECULATORS_CACHE/llama.cpp/<version> (else ~/.cache/speculators-forge/...),
-and returns the folder of the binaries. No native build: one crashed on a CPU reporting AMX for
+once per version into $SPECULATORS_CACHE/llama.cpp/<version>-logjoin (else ~/.cache/speculators-forge/...),
+and returns the folder of the binaries. One patch: the logger's thread is joined at exit (LOG_JOIN). No native build: one crashed on a CPU reporting AMX for
 every batch of more than one token; GGML_NATIVE=OFF with AVX2, FMA and F16C runs everywhere here.
 
 `Server` runs llama-server on a loopback port with parallel slots (continuous batching), for
@@ -42,9 +42,16 @@ FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON
          "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_BUILD_TYPE=Release")
 
 
+# llama.cpp's logger writes from a thread nobody joins at exit (upstream issue 22142): a tool that ends
+# quickly on busy cores loses its log's end, the counters parsed here included. The build joins it at exit.
+LOG_ANCHOR = "        log = new common_log;\n"
+LOG_JOIN = "        std::atexit([] { common_log_pause(log); });  // speculators-forge: flush the log at exit\n"
+BUILD = f"{VERSION}-logjoin"  # the cache folder's name: a new one whenever the patch or FLAGS change
+
+
 def cache_dir() -> Path:
     root = os.environ.get("SPECULATORS_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "speculators-forge") / "llama.cpp" / VERSION
+    return (Path(root) if root else Path.home() / ".cache" / "speculators-forge") / "llama.cpp" / BUILD
 
 
 def build(jobs: int = 2) -> Path:
@@ -83,8 +90,17 @@ def unpack_source() -> Path:
         partial = source.with_name("src.partial")
         shutil.rmtree(partial, ignore_errors=True)
         shutil.move(str(next(Path(tmp).glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"), partial)
+        join_log_at_exit(partial / "common" / "log.cpp")
         os.replace(partial, source)
     return source
+
+
+def join_log_at_exit(log_source: Path) -> None:
+    text = log_source.read_text()
+    if LOG_ANCHOR not in text:
+        raise UserError(f"{log_source} no longer creates its logger as expected; update LOG_ANCHOR for llama.cpp "
+                        f"{VERSION}")
+    log_source.write_text(text.replace(LOG_ANCHOR, LOG_ANCHOR + LOG_JOIN, 1))
 
 
 def run(command: list[str]) -> None:
@@ -187,25 +203,17 @@ def speculative_simple(target: Path, draft: Path | None, prompt: str, n_predict:
     command = [str(build() / "llama-speculative-simple"), "-m", str(target), *(["-md", str(draft)] if draft else []),
                "--spec-type", spec_type, "--spec-draft-n-max", str(draft_max), "-p", prompt, "-n", str(n_predict),
                "-c", str(context), "-t", str(threads), "-td", str(threads), "--temp", "0", "--seed", "0"]
-    done = run_logged(command, "llama-speculative-simple", r"n_predict = \d+", timeout)
+    done = run_logged(command, "llama-speculative-simple", timeout)
     return parse_speculative(done.stdout, done.stderr)
 
 
-LOG_ATTEMPTS = 5
-
-
-def run_logged(command: list[str], name: str, final_line: str, timeout: float) -> subprocess.CompletedProcess:
-    """Run a llama.cpp tool whose figures come from its log. Its logger writes from a thread that is
-    never flushed at exit (llama.cpp issue 22142), so a run that ends quickly can lose the log's end,
-    text included, and still exit 0: such a run is repeated (greedy, so it decodes the same tokens)."""
-    for _ in range(LOG_ATTEMPTS):
-        # Tokens are printed one by one, so a multi-byte character can be split: replace, not fail.
-        done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=timeout)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise UserError(f"{name} failed (exit {done.returncode}): {' | '.join(tail)}")
-        if re.search(final_line, done.stderr):
-            break
+def run_logged(command: list[str], name: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run a llama.cpp tool whose figures come from its log (stderr)."""
+    # Tokens are printed one by one, so a multi-byte character can be split: replace, not fail.
+    done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=timeout)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise UserError(f"{name} failed (exit {done.returncode}): {' | '.join(tail)}")
     return done
 
 
@@ -243,7 +251,7 @@ def completion(target: Path, prompt: str, n_predict: int = 32, threads: int = 1,
                "-c", str(context), "-t", str(threads), "--temp", "0", "--seed", "0", "-no-cnv",
                *(["-ub", str(ubatch)] if ubatch else [])]
     decode_line = r"perf_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs"  # not "prompt eval time"
-    done = run_logged(command + ["-sp"], "llama-completion", decode_line, timeout)
+    done = run_logged(command + ["-sp"], "llama-completion", timeout)
     found = re.search(decode_line, done.stderr)
     if found is None:
         raise UserError("llama-completion's log has no 'eval time = ... runs'; its output format changed?")
