@@ -2,8 +2,9 @@
 
 `build()` downloads the sdist with pip (no install), builds llama.cpp's tools with cmake + ninja
 once per version into $SPECULATORS_CACHE/llama.cpp/<version>-logjoin (else ~/.cache/speculators-forge/...),
-and returns the folder of the binaries. One patch: the logger's thread is joined at exit (LOG_JOIN). No native build: one crashed on a CPU reporting AMX for
-every batch of more than one token; GGML_NATIVE=OFF with AVX2, FMA and F16C runs everywhere here.
+and returns the folder of the binaries. One patch: the logger's thread is joined at exit (LOG_JOIN).
+No native build: one crashed on a CPU reporting AMX for every batch of more than one token;
+GGML_NATIVE=OFF with AVX2, FMA and F16C runs everywhere here.
 
 `Server` runs llama-server on a loopback port with parallel slots (continuous batching), for
 bulk generation (train/regenerate.py's engine=llamacpp).

@@ -231,6 +231,17 @@ def test_refuses_bad_maps_layers_and_overwrite(llama_target, llama_dir, make_dra
     assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["d.gguf"]
 
 
+def test_the_build_joins_the_log_thread_at_exit_or_refuses_a_changed_source(tmp_path):
+    """The one patch of llama.cpp's source (inference/llamacpp.py LOG_JOIN), applied once after its anchor."""
+    source = tmp_path / "log.cpp"
+    source.write_text("static void f() {\n" + llamacpp.LOG_ANCHOR + "}\n")
+    llamacpp.join_log_at_exit(source)
+    assert source.read_text() == "static void f() {\n" + llamacpp.LOG_ANCHOR + llamacpp.LOG_JOIN + "}\n"
+    source.write_text("static void f() {}\n")
+    with pytest.raises(UserError, match="LOG_ANCHOR"):
+        llamacpp.join_log_at_exit(source)
+
+
 built = pytest.mark.skipif(not all((llamacpp.cache_dir() / "bin" / tool).is_file() for tool in llamacpp.TOOLS),
                            reason="llama.cpp is not built (inference/llamacpp.py build)")
 
