@@ -413,6 +413,25 @@ def test_examples_with_an_id_are_split_by_it_and_gzip_files_read(tmp_path):
     assert conversation(rows[0], "sharegpt")[1]["role"] == "assistant"  # ShareGPT's model-named speakers
 
 
+def test_skip_and_max_examples_read_a_window_of_a_grown_folder(tmp_path, capsys):
+    """A stage continued on what regeneration added since the last one reads only the new examples."""
+    rows = [{"id": f"conv-{i}", "text": f"t{i}"} for i in range(10)]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    read = lambda **window: read_examples(DataConfig(source="file", path=str(path), **window))  # noqa: E731
+    assert read(skip_examples=6) == rows[6:]
+    assert "data: examples 7 to 10 of 10 (data.skip_examples=6, data.max_examples=None)" in capsys.readouterr().out
+    assert read(skip_examples=3, max_examples=8) == rows[3:8]
+    assert read(max_examples=4) == rows[:4]
+    with pytest.raises(UserError, match="data.skip_examples=10 leaves none of the 10 examples"):
+        read(skip_examples=10)
+    with pytest.raises(UserError, match="data.max_examples=3 .* above data.skip_examples=3"):
+        read(skip_examples=3, max_examples=3)
+    with pytest.raises(UserError, match="data.skip_examples=-1 .* >= 0"):
+        read(skip_examples=-1)
+    with pytest.raises(UserError, match="data.skip_examples=2 .* 0 for data.source=stdlib"):
+        DataConfig(skip_examples=2)
+
+
 def test_a_set_drawn_from_one_split_is_split_again():
     """Regenerated answers to ShareGPT's train prompts all hash to train by id: they are split again."""
     ids = [f"conv-{i}" for i in range(400)]

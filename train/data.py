@@ -20,7 +20,9 @@ if any of its characters is.
 
 Files and hub datasets are split like the corpus, by a hash of each example (90/5/5), so the
 split depends on nothing but the example. data.max_examples keeps the first N examples: a folder
-train/regenerate.py still appends to then trains on (and caches) the same set. Text is packed as
+train/regenerate.py still appends to then trains on (and caches) the same set. data.skip_examples
+leaves out the first M: a drafter continued (init_from=) on what the folder gained since its last
+stage reads, and caches, only the new examples. Text is packed as
 one stream (EOS after each document) cut into rows; the other layouts keep each example whole:
 examples fill rows of seq_len in order, a row closes when the next does not fit and is padded
 (loss mask 0). An example longer than seq_len is truncated or skipped (data.overlong), examples
@@ -70,6 +72,7 @@ class DataConfig:
     path: str | None = None
     split: str = "train"  # source=hub: the split to load; validation and test are then held out by hash
     max_examples: int | None = None  # file or hub: the first N examples only (a folder still being regenerated into)
+    skip_examples: int = 0  # file or hub: leave out the first M examples (what an earlier stage read)
     layout: str = "text"  # text | prompt_completion | sharegpt | messages
     chat_template: str | None = None  # a Jinja file or template replacing the tokenizer's (chat layouts)
     overlong: str = "truncate"  # an example over seq_len tokens: truncate | skip
@@ -104,8 +107,13 @@ class DataConfig:
         at_least(1, data__batch_size=self.batch_size, data__max_val_sequences=self.max_val_sequences)
         require(self.max_examples is None or self.source != "stdlib", "data.max_examples", self.max_examples,
                 "unset for data.source=stdlib")
+        require(self.skip_examples == 0 or self.source != "stdlib", "data.skip_examples", self.skip_examples,
+                "0 for data.source=stdlib")
+        at_least(0, data__skip_examples=self.skip_examples)
         if self.max_examples is not None:
             at_least(1, data__max_examples=self.max_examples)
+            require(self.max_examples > self.skip_examples, "data.max_examples", self.max_examples,
+                    f"above data.skip_examples={self.skip_examples}")
 
 
 # Loading: rows of the chosen layout, split by hash -------------------------------------------
@@ -122,10 +130,7 @@ def read_examples(cfg: DataConfig):
     rows, where = read_hub(cfg) if cfg.source == "hub" else read_path(Path(cfg.path))
     if len(rows) == 0:
         raise UserError(f"data.path={cfg.path} holds no examples")
-    if cfg.max_examples is not None:
-        kept = min(cfg.max_examples, len(rows))
-        announce(f"data: the first {kept} of {len(rows)} examples (data.max_examples={cfg.max_examples})")
-        rows = rows.select(range(kept)) if isinstance(rows, datasets.Dataset) else rows[:kept]
+    rows = window(rows, cfg)
     problems = []
     for i, row in enumerate(rows):
         try:
@@ -134,6 +139,20 @@ def read_examples(cfg: DataConfig):
             problems.append(f"{where(i)}: {e}")
     refuse(f"data.path={cfg.path} (data.layout={cfg.layout})", problems, "malformed examples")
     return rows
+
+
+def window(rows, cfg: DataConfig):
+    """Examples skip_examples to max_examples of the source, announced when either is set."""
+    end = len(rows) if cfg.max_examples is None else min(cfg.max_examples, len(rows))
+    if cfg.skip_examples >= end:
+        raise UserError(f"data.skip_examples={cfg.skip_examples} leaves none of the {end} examples of data.path={cfg.path}")
+    if cfg.skip_examples:
+        announce(f"data: examples {cfg.skip_examples + 1} to {end} of {len(rows)} "
+                 f"(data.skip_examples={cfg.skip_examples}, data.max_examples={cfg.max_examples})")
+    elif cfg.max_examples is not None:
+        announce(f"data: the first {end} of {len(rows)} examples (data.max_examples={cfg.max_examples})")
+    kept = range(cfg.skip_examples, end)
+    return rows.select(kept) if isinstance(rows, datasets.Dataset) else rows[kept.start:kept.stop]
 
 
 def read_path(path: Path) -> tuple[list[dict] | datasets.Dataset, Callable[[int], str]]:
