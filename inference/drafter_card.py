@@ -164,14 +164,14 @@ def lookup_settings(card: dict) -> str:
 
 
 def markdown(card: dict) -> str:
-    """The card's README: the training facts, then the measured tables."""
+    """The card's README: what it is and how to use it, the measured tables, then how it was trained."""
     t, k = card["training"], card["k"]
     acc = card["acceptance"]
     lines = [f"# {Path(card['drafter']).name}: an EAGLE-3 drafter for {card['target']}", "",
              f"Trained here for {t.get('steps')} steps ({t.get('tokens_seen', 0):,} tokens seen) against the target "
              f"served as quant={card['served_quant']['scheme']}; K={k} draft tokens. Every figure below is measured "
              f"by `python -m inference.drafter_card` (card.json holds them all, with the machine and revision).", "",
-             *([card["recipe"].strip(), ""] if card["recipe"] else []),
+             *usage(card),
              "## Acceptance (greedy unless said; outputs compared with target-only decoding)", "",
              "| eval set | drafting | tau | acceptance per position | same output | target tokens in the draft vocabulary |",
              "|---|---|---|---|---|---|"]
@@ -205,7 +205,23 @@ def markdown(card: dict) -> str:
               f"{b['verify_ms_per_cycle']:.1f} ms, other {b['other_ms_per_cycle']:.1f} ms, against "
               f"{b['target_only_ms_per_token']:.1f} ms a target-only token: c = {b['c']:.3f}, and tau / (1 + K c) = "
               f"{b['bound']:.2f} is the speed-up the draft cost allows if verification cost no more than a token."]
+    if card["recipe"]:
+        lines += ["", card["recipe"].strip()]
     return "\n".join(lines) + "\n"
+
+
+def usage(card: dict) -> list[str]:
+    """How to serve it: the bundled engine on the target it was trained for, and the other engines' formats."""
+    drafter, quant = card["drafter"], card["served_quant"]["scheme"]
+    return ["## Use it", "",
+            f"    python -m inference drafter={drafter} quant={quant} eval=mtbench num_speculative_tokens=1",
+            f"    python -m speculators.export {drafter} OUT --format eagle3 --dtype bfloat16  # SGLang, EAGLE-3",
+            f"    python -m speculators.export {drafter} draft.gguf --format gguf  # llama.cpp: -md draft.gguf "
+            "--spec-type draft-eagle3",
+            "",
+            "The folder itself is in the vLLM speculators format (`config.json`, `model.safetensors`; the embeddings "
+            "are the target's own, left out). The bundled engine serves it with the target named in its config; "
+            "K=1 served fastest in the speed table below.", ""]
 
 
 @hydra.main(config_path="../conf/inference", config_name="drafter_card", version_base="1.3")
