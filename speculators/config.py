@@ -53,7 +53,7 @@ def to_dataclass(cls, cfg: DictConfig, key: str = ""):
         allowed = ", ".join(f.name for f in dataclasses.fields(_owner_of(cls, str(e.full_key or e.key))))
         raise UserError(f"unknown config key '{full_key}'; allowed: {allowed}") from None
     except OmegaConfBaseException as e:
-        full_key = ".".join(k for k in (key, str(e.full_key or "")) if k)
+        full_key = ".".join(k for k in (key, str(e.full_key or _failing_key(cls, cfg))) if k)
         raise UserError(f"bad value for '{full_key}': {_first_line(e)}") from None
     _refuse_non_finite(config, prefix)
     return config
@@ -122,6 +122,21 @@ def at_least(minimum, **values) -> None:
     """require(value >= minimum) for each keyword (dotted keys spelled with __)."""
     for key, value in values.items():
         require(value is not None and value >= minimum, key.replace("__", "."), value, f">= {minimum}")
+
+
+def _failing_key(cls, cfg) -> str:
+    """The first key whose value alone fails to merge, descending into nested dataclasses: OmegaConf
+    names none when a list meets a dict."""
+    structured, types = OmegaConf.structured(cls), {f.name: f.type for f in dataclasses.fields(cls)}
+    for name in cfg:
+        try:
+            OmegaConf.merge(structured, {name: cfg[name]})
+        except OmegaConfBaseException as e:
+            if e.full_key:
+                return str(e.full_key)
+            inner = _failing_key(types[name], cfg[name]) if dataclasses.is_dataclass(types.get(name)) else ""
+            return f"{name}.{inner}" if inner else name
+    return ""
 
 
 def _first_line(e: BaseException) -> str:

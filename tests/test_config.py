@@ -58,6 +58,7 @@ def test_inference_configs_map_onto_their_dataclasses(name, cls):
     ("serve_eval.max_new_tokens=0", "serve_eval.max_new_tokens"),
     ("+trainer.epochs=3", "trainer.epochs"),
     ("+drafter.layers=2", "drafter.layers"),
+    ("target.max_memory=[1,2]", "target.max_memory"),  # a list for a mapping: OmegaConf names no key
 ])
 def test_bad_values_fail_with_one_line_naming_the_key(override, key):
     with pytest.raises(UserError) as error:
