@@ -74,7 +74,7 @@ class TargetConfig:
 class TargetOutput:
     aux_hidden: list[torch.Tensor]  # hidden_states[k] for k in layer_ids, each [B, T, H]
     last_hidden: torch.Tensor  # hidden_states[L]: after the final norm, [B, T, H]
-    logits: torch.Tensor  # [B, T, V]
+    logits: torch.Tensor | None  # [B, T, V]; None when not asked for
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -111,6 +111,7 @@ class FrozenTarget:
                                          self.num_layers)
         # transformers 5.24 renamed forward's past_key_values to cache (the old name warns; removed in 5.40).
         self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.skips_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @classmethod
     def load(cls, cfg: TargetConfig, quant: QuantConfig = QuantConfig(), layers: bool = True) -> "FrozenTarget":
@@ -184,17 +185,19 @@ class FrozenTarget:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 cache=None, position_ids: torch.Tensor | None = None) -> TargetOutput:
-        """Features and logits of every position; with a transformers Cache, continue after it."""
+                 cache=None, position_ids: torch.Tensor | None = None, logits: bool = True) -> TargetOutput:
+        """Features and logits of every position; with a transformers Cache, continue after it. With
+        logits=False only the features: lm_head over a whole row is a fifth of SmolLM2-135M's forward."""
         if not self.layers:
             raise RuntimeError("this target was loaded without its decoder layers (layers=False)")
         cache_kwarg = {self.cache_kwarg: cache} if cache is not None else {}
+        head_kwarg = {} if logits or not self.skips_logits else {"logits_to_keep": 1}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=cache is not None, output_hidden_states=True, **cache_kwarg)
+                         use_cache=cache is not None, output_hidden_states=True, **cache_kwarg, **head_kwarg)
         device = input_ids.device  # a placed target's outputs come from the devices of its last layers
         return TargetOutput(aux_hidden=[out.hidden_states[k].to(device, torch.float32) for k in self.layer_ids],
                             last_hidden=out.hidden_states[-1].to(device, torch.float32),
-                            logits=out.logits.to(device, torch.float32))
+                            logits=out.logits.to(device, torch.float32) if logits else None)
 
 
 def weights_fingerprint(model) -> str:

@@ -92,6 +92,15 @@ def test_features_and_logits_match_the_model(target, text_batch):
     assert not out.logits.requires_grad and not any(h.requires_grad for h in out.aux_hidden)
 
 
+def test_features_without_logits_are_the_same_features(target, text_batch):
+    """What the hidden-state cache asks for: no lm_head over the row, the features unchanged."""
+    ids = text_batch[:, :32]
+    full, features = target(ids), target(ids, logits=False)
+    assert target.skips_logits and features.logits is None
+    for with_head, without in zip([*full.aux_hidden, full.last_hidden], [*features.aux_hidden, features.last_hidden]):
+        assert torch.equal(with_head, without)
+
+
 def test_target_is_frozen(target):
     assert not target.model.training
     params = list(target.model.parameters())

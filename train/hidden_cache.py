@@ -7,8 +7,8 @@ drafter's loss reads from it, and train many drafters from that without the targ
 Both commands take the same config: the cache holds the rows of the train and validation splits
 as the data module builds them. Per row of seq_len tokens a shard stores `hidden`
 [rows, len(layer_ids) + 1, seq_len, H]: hidden_states[k] for each layer id, then hidden_states[L]
-(after the final norm). Logits are not stored: they are lm_head(hidden_states[L]), which the
-target's lm_head recomputes in training (V/H times fewer bytes: 31x for Llama 3 8B; a
+(after the final norm). Logits are neither computed nor stored (a fifth of SmolLM2-135M's forward): they
+are lm_head(hidden_states[L]), which the target's lm_head recomputes in training (V/H times fewer bytes: 31x for Llama 3 8B; a
 check on the first batch refuses a target whose logits are more than that, e.g. soft-capped).
 float8_e4m3 scales each token's vector of each layer by its absmax / 448 (`scale`, float32).
 
@@ -187,7 +187,7 @@ def write_shard(target: FrozenTarget, rows: torch.Tensor, cfg, progress: Progres
     """Run the target over `rows` batch by batch and save their hidden states as one shard."""
     parts = []
     for batch in rows.split(cfg.batch_size):
-        out = target(batch.to(target.device))
+        out = target(batch.to(target.device), logits=check)
         if check:
             check_logits_recomputable(target, out)
             check = False
