@@ -111,7 +111,7 @@ class FrozenTarget:
                                          self.num_layers)
         # transformers 5.24 renamed forward's past_key_values to cache (the old name warns; removed in 5.40).
         self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self.skips_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.can_skip_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @classmethod
     def load(cls, cfg: TargetConfig, quant: QuantConfig = QuantConfig(), layers: bool = True) -> "FrozenTarget":
@@ -191,7 +191,7 @@ class FrozenTarget:
         if not self.layers:
             raise RuntimeError("this target was loaded without its decoder layers (layers=False)")
         cache_kwarg = {self.cache_kwarg: cache} if cache is not None else {}
-        head_kwarg = {} if logits or not self.skips_logits else {"logits_to_keep": 1}
+        head_kwarg = {} if logits or not self.can_skip_logits else {"logits_to_keep": 1}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=cache is not None, output_hidden_states=True, **cache_kwarg, **head_kwarg)
         device = input_ids.device  # a placed target's outputs come from the devices of its last layers
