@@ -22,6 +22,7 @@ the drafter folder has one, its hand-written RECIPE.md (the data, the schedule a
 """
 
 import json
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -211,17 +212,28 @@ def markdown(card: dict) -> str:
 
 
 def usage(card: dict) -> list[str]:
-    """How to serve it: the bundled engine on the target it was trained for, and the other engines' formats."""
+    """How to serve it: the bundled engine on the target it was trained for, at the chain length that served it
+    fastest, and the other engines' formats."""
     drafter, quant = card["drafter"], card["served_quant"]["scheme"]
+    k, speedup = fastest_chain(card["speed"]["packed"], card["k"])
     return ["## Use it", "",
-            f"    python -m inference drafter={drafter} quant={quant} eval=mtbench num_speculative_tokens=1",
+            f"    python -m inference drafter={drafter} quant={quant} eval=mtbench num_speculative_tokens={k}",
             f"    python -m speculators.export {drafter} OUT --format eagle3 --dtype bfloat16  # SGLang, EAGLE-3",
             f"    python -m speculators.export {drafter} draft.gguf --format gguf  # llama.cpp: -md draft.gguf "
             "--spec-type draft-eagle3",
             "",
             "The folder itself is in the vLLM speculators format (`config.json`, `model.safetensors`; the embeddings "
             "are the target's own, left out). The bundled engine serves it with the target named in its config; "
-            "K=1 served fastest in the speed table below.", ""]
+            f"of the plain chains in the speed table below, K={k} served that target fastest ({speedup:.2f}x).", ""]
+
+
+def fastest_chain(rows: dict, k: int) -> tuple[int, float]:
+    """(K, speed-up) of the plain chain that decoded fastest: `speculative_chain` (the drafter's K) or a
+    `speculative_chain_k<N>` row of bench.run."""
+    lengths = {"speculative_chain": k} | {m: int(m.removeprefix("speculative_chain_k")) for m in rows
+                                         if re.fullmatch(r"speculative_chain_k\d+", m)}
+    best = max(lengths, key=lambda m: rows[m]["speedup"])
+    return lengths[best], rows[best]["speedup"]
 
 
 @hydra.main(config_path="../conf/inference", config_name="drafter_card", version_base="1.3")
