@@ -215,7 +215,7 @@ def usage(card: dict) -> list[str]:
     """How to serve it: the bundled engine on the target it was trained for, at the chain length that served it
     fastest, and the other engines' formats."""
     drafter, quant = card["drafter"], card["served_quant"]["scheme"]
-    k, speedup = fastest_chain(card["speed"]["packed"], card["k"])
+    k, speedup = fastest_chain(card["speed"]["packed"])
     return ["## Use it", "",
             f"    python -m inference drafter={drafter} quant={quant} eval=mtbench num_speculative_tokens={k}",
             f"    python -m speculators.export {drafter} OUT --format eagle3 --dtype bfloat16  # SGLang, EAGLE-3",
@@ -227,13 +227,11 @@ def usage(card: dict) -> list[str]:
             f"of the plain chains in the speed table below, K={k} served that target fastest ({speedup:.2f}x).", ""]
 
 
-def fastest_chain(rows: dict, k: int) -> tuple[int, float]:
-    """(K, speed-up) of the plain chain that decoded fastest: `speculative_chain` (the drafter's K) or a
-    `speculative_chain_k<N>` row of bench.run."""
-    lengths = {"speculative_chain": k} | {m: int(m.removeprefix("speculative_chain_k")) for m in rows
-                                         if re.fullmatch(r"speculative_chain_k\d+", m)}
-    best = max(lengths, key=lambda m: rows[m]["speedup"])
-    return lengths[best], rows[best]["speedup"]
+def fastest_chain(rows: dict) -> tuple[int, float]:
+    """(K, speed-up) of the plain chain (`speculative_chain` or `speculative_chain_k<N>` of bench.run) that
+    decoded fastest."""
+    best = max((m for m in rows if re.fullmatch(r"speculative_chain(_k\d+)?", m)), key=lambda m: rows[m]["speedup"])
+    return rows[best]["num_speculative_tokens"], rows[best]["speedup"]
 
 
 @hydra.main(config_path="../conf/inference", config_name="drafter_card", version_base="1.3")

@@ -16,8 +16,10 @@ def test_shipped_card_readme_is_its_measurements_rendered():
 
 
 def test_the_card_recommends_the_chain_that_served_fastest():
-    rows = {"target_only": {"speedup": 1.0}, "speculative_chain": {"speedup": 0.9},
-            "speculative_chain_k2": {"speedup": 1.25}, "speculative_chain_k1": {"speedup": 1.2},
-            "speculative_chain_k1_lookup": {"speedup": 1.3}, "speculative_chain_min_prob0.4": {"speedup": 1.4}}
-    assert fastest_chain(rows, 5) == (2, 1.25)  # plain chains only: lookup and min-prob chains are other settings
-    assert fastest_chain({"speculative_chain": {"speedup": 1.1}}, 5) == (5, 1.1)
+    def row(k, speedup):
+        return {"num_speculative_tokens": k, "speedup": speedup}
+    rows = {"target_only": {"speedup": 1.0}, "speculative_chain": row(5, 0.9), "speculative_chain_k2": row(2, 1.25),
+            "speculative_chain_k1": row(1, 1.2), "speculative_chain_k1_lookup": row(1, 1.3),
+            "speculative_chain_min_prob0.4": row(5, 1.4)}
+    assert fastest_chain(rows) == (2, 1.25)  # plain chains only: lookup and min-prob chains are other settings
+    assert fastest_chain({"speculative_chain": row(5, 1.1)}) == (5, 1.1)
