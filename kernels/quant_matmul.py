@@ -173,22 +173,29 @@ def quant_matmul_cpu(x, qweight, scales, zeros=None, group_size: int | None = No
 
 
 # fp32 weights: up to this many rows the kernel's single pass over W beats F.linear on SmolLM2-135M's
-# layers with the weights coming from memory, as in decoding (results/smollm2/quant_matmul_cpu_stream.json:
-# 1.4-4.4x at 1-2 rows, most layers still ahead at 6, behind at 16).
-DENSE_KERNEL_MAX_ROWS = 6
+# layers with the weights coming from memory, as in decoding, per instruction set of its loop (AVX2:
+# results/smollm2/quant_matmul_cpu_stream.json, 1.4-4.4x at 1-2 rows, most layers still ahead at 6, behind
+# at 16; AVX-512: results/smollm2/fp32_x_kernels_stream.json, ahead at every count up to 32).
+DENSE_KERNEL_MAX_ROWS = {"avx2": 6, "avx512": 32}
 
 
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for an unquantized weight. For at most DENSE_KERNEL_MAX_ROWS fp32 rows on
+    """F.linear(x, weight, bias) for an unquantized weight. For at most dense_kernel_max_rows() fp32 rows on
     the CPU without autograd (decoding, verification) it runs the CPU kernel's fp32_matmul, which reads
     W once for all rows and computes each row alone in one fixed order: a verification pass gives the
     bits one-token decoding gives. Anything else is F.linear."""
     if (weight.dtype == torch.float32 and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and cpu_kernel_applies(x, None, max_rows=DENSE_KERNEL_MAX_ROWS)):
+            and cpu_kernel_applies(x, None, max_rows=dense_kernel_max_rows())):
         out = cpu_ops().fp32_matmul(x, weight)
         return out if bias is None else out + bias
     return torch.nn.functional.linear(x, weight, bias)
+
+
+@functools.cache
+def dense_kernel_max_rows() -> int:
+    """DENSE_KERNEL_MAX_ROWS for the instruction set the fp32 loop runs in on this CPU (0: no kernel)."""
+    return DENSE_KERNEL_MAX_ROWS[cpu_ops().fp32_x_isa("")] if cpu_ops() is not None else 0
 
 
 @functools.cache

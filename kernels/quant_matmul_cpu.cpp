@@ -40,6 +40,23 @@ float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The loops that multiply fp32 x (fp32 and int4 weights) in AVX-512 tiles, in this file built for AVX2.
+#define AVX512 __attribute__((target("avx512f")))
+
+// Lanes 0-7 plus lanes 8-15: the AVX-512 loops keep in one register what the AVX2 loops keep in two
+// (columns k..k+8 and k+8..k+16 of each step) and add the halves where those add their two registers.
+AVX512 inline __m256 halves_sum(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// Their instruction set; fp32_x_isa() may force AVX2 (tests, comparisons).
+std::atomic<bool> fp32_x_avx512{__builtin_cpu_supports("avx512f") != 0};
+
+// Weights are prefetched this many bytes ahead of each channel's loads (16 cache lines): with the hardware's
+// prefetching alone, verifying 6 rows of an fp32 layer took 1.2-1.7x the time of decoding 1 with W coming
+// from memory, with this 1.2-1.35x (SmolLM2-135M's layers, 1 thread).
+constexpr int64_t kPrefetchBytes = 1024;
+
 // x [M, K] with each 16 columns reordered as 8 even, then 8 odd (-> split), and the sum of each
 // group of columns (-> sums [M, K / group_size]), summed in order.
 void split_and_sum(const float* x, int64_t M, int64_t K, int64_t group_size, float* split, float* sums) {
@@ -105,6 +122,54 @@ void int4_rows(const float* x, const float* x_sums, int64_t K, const uint8_t* q,
   }
 }
 
+// int4_rows with AVX-512, in tiles of ROWS rows x COLS channels (as fp32_tile_avx512 below): a step's 8 even
+// and 8 odd levels in one register, its lanes 0-7 int4_rows' dot[r][0] and lanes 8-15 its dot[r][1], summed
+// in the same order, and each group's halves added as int4_rows adds them: the same bits on either
+// instruction set, whatever the tile.
+constexpr int kInt4RowsAvx512 = 6, kInt4ColsAvx512 = 2;  // 12 group sums, 12 accumulators, 2 levels, 1 of x
+
+template <int ROWS, int COLS>
+AVX512 void int4_tile_avx512(const float* x, const float* x_sums, int64_t K, const uint8_t* q, const float* s,
+                             const float* z, int64_t group_size, float* out, int64_t out_stride) {
+  const int64_t groups = K / group_size;
+  __m256 acc[ROWS][COLS];
+  for (int r = 0; r < ROWS; ++r) {
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_setzero_ps();
+  }
+  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 dot[ROWS][COLS];
+    for (int r = 0; r < ROWS; ++r) {
+      for (int c = 0; c < COLS; ++c) dot[r][c] = _mm512_setzero_ps();
+    }
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kStep) {
+      __m512 levels[COLS];
+      for (int c = 0; c < COLS; ++c) {
+        const uint8_t* bytes_at = q + c * (K / 2) + k / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(bytes_at) + kPrefetchBytes, _MM_HINT_T0);
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes_at));
+        const __m128i even = _mm_and_si128(bytes, low_nibbles);
+        const __m128i odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
+        levels[c] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(even, odd)));
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 row = _mm512_loadu_ps(x + r * K + k);
+        for (int c = 0; c < COLS; ++c) dot[r][c] = _mm512_fmadd_ps(row, levels[c], dot[r][c]);
+      }
+    }
+    for (int c = 0; c < COLS; ++c) {
+      const __m256 scale = _mm256_set1_ps(s[c * groups + g]);
+      for (int r = 0; r < ROWS; ++r) acc[r][c] = _mm256_fmadd_ps(halves_sum(dot[r][c]), scale, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    for (int c = 0; c < COLS; ++c) {
+      out[r * out_stride + c] = horizontal_sum(acc[r][c]) +
+                                zero_point_term(s + c * groups, z + c * groups, x_sums + r * groups, groups);
+    }
+  }
+}
+
 // acc[r] += x[r, k..k+16) * q[k..k+16) for each row r of the tile, in two chains per row (each FMA
 // waits for the previous one in its chain).
 template <int ROWS>
@@ -158,6 +223,35 @@ void fp32_rows(const float* x, int64_t K, const float* w, float* out, int64_t ou
   for (int r = 0; r < ROWS; ++r) out[r * out_stride] = horizontal_sum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
+// The same sums with AVX-512, in tiles of ROWS rows x COLS channels: each row's 16 columns are loaded once
+// for all COLS channels (AVX2's 16 registers cannot hold such a tile; its loop reloads x for every
+// channel), so a verification of 6 rows costs little more than decoding 1. Lanes 0-7 of an accumulator are
+// fp32_rows' acc[r][0], lanes 8-15 its acc[r][1], in the same order, and the end adds the halves as
+// fp32_rows does: the same bits on either instruction set, whatever the tile.
+constexpr int kFp32RowsAvx512 = 6, kFp32ColsAvx512 = 4;  // 24 accumulators, 4 weight registers, 1 of x
+
+template <int ROWS, int COLS>
+AVX512 void fp32_tile_avx512(const float* x, int64_t K, const float* w, float* out, int64_t out_stride) {
+  __m512 acc[ROWS][COLS];
+  for (int r = 0; r < ROWS; ++r) {
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; k += kStep) {
+    __m512 weights[COLS];
+    for (int c = 0; c < COLS; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + c * K + k) + kPrefetchBytes, _MM_HINT_T0);
+      weights[c] = _mm512_loadu_ps(w + c * K + k);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 row = _mm512_loadu_ps(x + r * K + k);
+      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_fmadd_ps(row, weights[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    for (int c = 0; c < COLS; ++c) out[r * out_stride + c] = horizontal_sum(halves_sum(acc[r][c]));
+  }
+}
+
 // Calls fn(rows, m) over x's rows m.. in tiles of TILE rows, the rest in smaller tiles.
 template <int TILE, typename Fn>
 void over_row_tiles(int64_t M, Fn&& fn) {
@@ -175,6 +269,18 @@ void over_channels(int64_t M, int64_t N, Fn&& fn) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) over_row_tiles<TILE>(M, [&](auto rows, int64_t m) { fn(rows, m, n); });
   });
+}
+
+// Channels [begin, end) times every row of x, in tiles: COLS channels at a time, the rest one by one.
+template <int ROWS, int COLS, typename Tile>
+void over_tiles(int64_t M, int64_t begin, int64_t end, Tile&& tile) {
+  int64_t n = begin;
+  for (; n + COLS <= end; n += COLS) {
+    over_row_tiles<ROWS>(M, [&](auto rows, int64_t m) { tile(rows, std::integral_constant<int, COLS>{}, m, n); });
+  }
+  for (; n < end; ++n) {
+    over_row_tiles<ROWS>(M, [&](auto rows, int64_t m) { tile(rows, std::integral_constant<int, 1>{}, m, n); });
+  }
 }
 
 // The operands of an int8-weight matmul with fp32 activations: out [M, N] and the pointers its kernels read.
@@ -228,10 +334,20 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   const uint8_t* qp = packed.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *zp = z.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  over_channels<kInt4RowTile>(M, N, [&](auto rows, int64_t m, int64_t n) {
-    int4_rows<decltype(rows)::value>(xp + m * K, xsp + m * groups, K, qp + n * K / 2, sp + n * groups,
-                                     zp + n * groups, group_size, op + m * N + n, N);
-  });
+  if (fp32_x_avx512.load()) {
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      over_tiles<kInt4RowsAvx512, kInt4ColsAvx512>(M, begin, end, [&](auto r, auto c, int64_t m, int64_t n) {
+        int4_tile_avx512<decltype(r)::value, decltype(c)::value>(xp + m * K, xsp + m * groups, K, qp + n * K / 2,
+                                                                 sp + n * groups, zp + n * groups, group_size,
+                                                                 op + m * N + n, N);
+      });
+    });
+  } else {
+    over_channels<kInt4RowTile>(M, N, [&](auto rows, int64_t m, int64_t n) {
+      int4_rows<decltype(rows)::value>(xp + m * K, xsp + m * groups, K, qp + n * K / 2, sp + n * groups,
+                                       zp + n * groups, group_size, op + m * N + n, N);
+    });
+  }
   return shaped_like(out, x);
 }
 
@@ -273,10 +389,26 @@ at::Tensor fp32_matmul(const at::Tensor& x, const at::Tensor& weight) {
   at::Tensor out = at::empty({M, N}, xc.options());
   const float *xp = xc.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  over_channels<kFp32RowTile>(M, N, [&](auto rows, int64_t m, int64_t n) {
-    fp32_rows<decltype(rows)::value>(xp + m * K, K, wp + n * K, op + m * N + n, N);
-  });
+  if (fp32_x_avx512.load()) {
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      over_tiles<kFp32RowsAvx512, kFp32ColsAvx512>(M, begin, end, [&](auto r, auto c, int64_t m, int64_t n) {
+        fp32_tile_avx512<decltype(r)::value, decltype(c)::value>(xp + m * K, K, wp + n * K, op + m * N + n, N);
+      });
+    });
+  } else {
+    over_channels<kFp32RowTile>(M, N, [&](auto rows, int64_t m, int64_t n) {
+      fp32_rows<decltype(rows)::value>(xp + m * K, K, wp + n * K, op + m * N + n, N);
+    });
+  }
   return shaped_like(out, x);
+}
+
+// The instruction set of the loops that multiply fp32 x (fp32_matmul, int4_matmul): "" asks; "avx2" forces
+// the AVX2 loops (to test or compare them on an AVX-512 machine); "best" goes back to the best the CPU has.
+std::string fp32_x_isa(const std::string& isa) {
+  TORCH_CHECK(isa.empty() || isa == "avx2" || isa == "best", "fp32_x_isa: '', 'avx2' or 'best', got '", isa, "'");
+  if (!isa.empty()) fp32_x_avx512.store(isa == "best" && __builtin_cpu_supports("avx512f"));
+  return fp32_x_avx512.load() ? "avx512" : "avx2";
 }
 
 // --- int8 activations: llama.cpp's arithmetic (its Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products) ------
@@ -547,17 +679,6 @@ void q8_tile_avx2(const Q8Tile& x, const Q8Channels& w, float* out, int64_t out_
 constexpr int kQ8RowsAvx512 = 3, kQ8ColsAvx512 = 4;
 constexpr int kQ8RowsAvx2 = 2, kQ8ColsAvx2 = 2;
 
-// Channels [begin, end) times every row of x, in tiles: COLS channels at a time, the rest one by one.
-template <int ROWS, int COLS, typename Tile>
-void over_tiles(int64_t M, int64_t begin, int64_t end, Tile&& tile) {
-  int64_t n = begin;
-  for (; n + COLS <= end; n += COLS) {
-    over_row_tiles<ROWS>(M, [&](auto rows, int64_t m) { tile(rows, std::integral_constant<int, COLS>{}, m, n); });
-  }
-  for (; n < end; ++n) {
-    over_row_tiles<ROWS>(M, [&](auto rows, int64_t m) { tile(rows, std::integral_constant<int, 1>{}, m, n); });
-  }
-}
 
 // out [M, N] = x's rounded rows times channels [begin, end) of a weight format; `channels(n)` says
 // where channel n's bytes and scales are.
@@ -656,6 +777,7 @@ TORCH_LIBRARY(speculators_forge, m) {
   m.def("int8_matmul_q8(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor");
   m.def("fp32_matmul(Tensor x, Tensor weight) -> Tensor");
   m.def("int8_dot_isa(str isa) -> str", &int8_dot_isa);  // no tensor to dispatch on: one implementation
+  m.def("fp32_x_isa(str isa) -> str", &fp32_x_isa);
 }
 
 TORCH_LIBRARY_IMPL(speculators_forge, CPU, m) {

@@ -41,9 +41,9 @@ from inference.engine import generate
 from kernels import quant_matmul, quant_matmul_reference, quant_matmul_triton
 from kernels.quant_matmul import (
     CPU_KERNEL_MAX_ROWS,
-    DENSE_KERNEL_MAX_ROWS,
     cpu_kernel_applies,
     cpu_ops,
+    dense_kernel_max_rows,
     dense_matmul,
     dequantize,
     pack_int4,
@@ -491,10 +491,10 @@ def test_cpu_kernel_rows_are_independent_of_batch_and_threads(weights):
 
 @needs_cpu_kernel
 def test_fp32_weights_run_the_kernel_for_few_rows_one_row_at_a_time():
-    """kernels.dense_matmul: F.linear's values; up to DENSE_KERNEL_MAX_ROWS rows each row alone (a
+    """kernels.dense_matmul: F.linear's values; up to dense_kernel_max_rows() rows each row alone (a
     verification pass gives one-token decoding's bits); more rows, or autograd, are F.linear itself."""
     layer = linear(48, 96)
-    x = torch.randn(DENSE_KERNEL_MAX_ROWS + 1, 96)
+    x = torch.randn(dense_kernel_max_rows() + 1, 96)
     with torch.no_grad():
         few = dense_matmul(x[:6], layer.weight, layer.bias)
         torch.testing.assert_close(few, F.linear(x[:6], layer.weight, layer.bias), **TOL)
@@ -502,6 +502,32 @@ def test_fp32_weights_run_the_kernel_for_few_rows_one_row_at_a_time():
             assert torch.equal(dense_matmul(x[i:i + 1], layer.weight, layer.bias), few[i:i + 1]), i
         assert torch.equal(dense_matmul(x, layer.weight, layer.bias), F.linear(x, layer.weight, layer.bias))
     assert dense_matmul(x[:1], layer.weight.detach().requires_grad_()).requires_grad  # wants a gradient: F.linear
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 32])
+@pytest.mark.parametrize("weights", ["fp32", "int4/32", "int4/128"])
+def test_fp32_x_kernels_give_the_same_bits_in_either_instruction_set(weights, rows):
+    """The AVX-512 loops (tiles of rows x channels) sum each (row, channel) as the AVX2 loops do: the same
+    bits, whatever the tile, including the channels left after the last whole tile (N = 47)."""
+    if cpu_ops().fp32_x_isa("") != "avx512":
+        pytest.skip("this CPU has no AVX-512: only the AVX2 loops run here")
+    N, K = 47, 256
+    if weights == "fp32":
+        weight = torch.randn(N, K)
+        matmul, reference = (lambda x: cpu_ops().fp32_matmul(x, weight)), (lambda x: F.linear(x, weight))
+    else:
+        stored_w = int4_weights(N, K, int(weights.split("/")[1]))
+        matmul, reference = (lambda x: quant_matmul_cpu(x, *stored_w)), (lambda x: quant_matmul_reference(x, *stored_w))
+    x = torch.randn(rows, K)
+    wide = matmul(x)
+    try:
+        assert cpu_ops().fp32_x_isa("avx2") == "avx2"
+        assert torch.equal(matmul(x), wide)
+    finally:
+        cpu_ops().fp32_x_isa("best")
+    assert torch.equal(matmul(x[-1:]), wide[-1:])
+    torch.testing.assert_close(wide, reference(x), **TOL)
 
 
 def test_decoding_linears_keep_parameters_and_ties(llama_target):
