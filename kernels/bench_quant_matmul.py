@@ -11,8 +11,9 @@ Q8_0) and int4 (groups of 32, GGUF's Q4_1) kernels.quant_matmul's CPU kernel wit
 the same kernel with x rounded to int8 per 32 columns ("kernel int8-x": integer dot products, in the
 instruction set the JSON names), and the reference (dequantize + one matmul); and the same kernel's
 loop over the fp32 W ("fp32 kernel", kernels.dense_matmul: where it beats F.linear is the measurement
-behind DENSE_KERNEL_MAX_ROWS). On an AVX-512 CPU, where the fp32 and int4 kernels run AVX-512 tiles, also
-their AVX2 loops ("fp32 kernel avx2", "int4 kernel avx2"). --fp32-only times only the fp32 ways.
+behind DENSE_KERNEL_MAX_ROWS). On an AVX-512 CPU, where the fp32, int4 and int8/32 kernels run AVX-512 tiles,
+also their AVX2 loops ("fp32 kernel avx2", "int4 kernel avx2", "int8/32 kernel avx2"). --fp32-only times only
+the fp32 ways.
 Ways alternate call by call within each repeat (the same machine load for all); each timing is
 enough calls to last about 20 ms, and the JSON holds the median milliseconds per call over
 repeats, the speed-up over fp32, and per scheme the largest row count where the kernel still
@@ -74,7 +75,8 @@ def ways_for(N: int, K: int, stream: bool = False, fp32_only: bool = False) -> d
                  f"{scheme} kernel int8-x": way(lambda x, w, s=scheme: quant_matmul_cpu(x, *w[s], int8_activations=True)),
                  f"{scheme} dequantize": way(lambda x, w, s=scheme: quant_matmul_reference(x, *w[s]))}
     if avx512:
-        ways["int4 kernel avx2"] = way(in_avx2(lambda x, w: quant_matmul_cpu(x, *w["int4"])))
+        ways |= {f"{scheme} kernel avx2": way(in_avx2(lambda x, w, s=scheme: quant_matmul_cpu(x, *w[s])))
+                 for scheme in ("int4", "int8/32")}
     return ways
 
 

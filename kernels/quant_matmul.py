@@ -17,6 +17,7 @@ Three implementations of the same math:
 - `quant_matmul_cpu`: quant_matmul_cpu.cpp, an AVX2 kernel for a few fp32 rows (decoding,
   verification) that reads the stored bytes and never materialises W: decoding is bound by memory
   bandwidth, and W is 4x (int8) or 5x (int4 with fp32 scales and zeros per 32) smaller than fp32.
+  On AVX-512 CPUs its int4, grouped int8 and fp32 loops run tiles of rows x channels instead, with the same bits.
   Compiled on first use with torch.utils.cpp_extension (once per machine, cached); where it cannot
   build (no compiler, no AVX2) the reference serves, with one warning.
 `quant_matmul` picks one: Triton where `kernels.use_triton` says so; else the CPU kernel for at most
@@ -175,7 +176,8 @@ def quant_matmul_cpu(x, qweight, scales, zeros=None, group_size: int | None = No
 # fp32 weights: up to this many rows the kernel's single pass over W beats F.linear on SmolLM2-135M's
 # layers with the weights coming from memory, as in decoding, per instruction set of its loop (AVX2:
 # results/smollm2/quant_matmul_cpu_stream.json, 1.4-4.4x at 1-2 rows, most layers still ahead at 6, behind
-# at 16; AVX-512: results/smollm2/fp32_x_kernels_stream.json, ahead at every count up to 32).
+# at 16; AVX-512 tiles: results/smollm2/fp32_x_kernels_stream.json, level at 1 row, 1.2-1.7x at 6-8, ahead or
+# level up to 32).
 DENSE_KERNEL_MAX_ROWS = {"avx2": 6, "avx512": 32}
 
 

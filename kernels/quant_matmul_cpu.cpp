@@ -7,6 +7,8 @@
 // Each output channel n is converted 16 weights at a time into two AVX2 registers and multiplied
 // into a tile of rows of x (3 for int4 and grouped int8, 4 for int8: more would spill registers);
 // further tiles reread the channel's bytes from L1. Channels are split between threads, rows never are.
+// On AVX-512 CPUs the loops over fp32 x with int4, grouped int8 and fp32 weights run tiles of rows x channels
+// (x loaded once for several channels) that give the AVX2 loops' bits.
 //
 // int4 layout (kernels/quant_matmul.py): byte j of row n holds columns 2j (low nibble) and 2j+1
 // (high nibble); W[n, k] = q * s[n, g] + (z[n, g] - 8 s[n, g]). Rather than interleave the
@@ -40,7 +42,7 @@ float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The loops that multiply fp32 x (fp32 and int4 weights) in AVX-512 tiles, in this file built for AVX2.
+// The loops that multiply fp32 x (fp32, int4 and grouped int8 weights) in AVX-512 tiles, in this file built for AVX2.
 #define AVX512 __attribute__((target("avx512f")))
 
 // Lanes 0-7 plus lanes 8-15: the AVX-512 loops keep in one register what the AVX2 loops keep in two
@@ -54,7 +56,7 @@ std::atomic<bool> fp32_x_avx512{__builtin_cpu_supports("avx512f") != 0};
 
 // Weights are prefetched this many bytes ahead of each channel's loads (16 cache lines): with the hardware's
 // prefetching alone, verifying 6 rows of an fp32 layer took 1.2-1.7x the time of decoding 1 with W coming
-// from memory, with this 1.2-1.35x (SmolLM2-135M's layers, 1 thread).
+// from memory, with this 1.2-1.35x (SmolLM2-135M's layers, 1 thread, a regeneration job beside).
 constexpr int64_t kPrefetchBytes = 1024;
 
 // x [M, K] with each 16 columns reordered as 8 even, then 8 odd (-> split), and the sum of each
@@ -205,6 +207,45 @@ void int8_group_rows(const float* x, int64_t K, const int8_t* q, const float* s,
     for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(dot[r][0], dot[r][1]), scale, acc[r]);
   }
   for (int r = 0; r < ROWS; ++r) out[r * out_stride] = horizontal_sum(acc[r]);
+}
+
+// int8_group_rows with AVX-512, in tiles of ROWS rows x COLS channels (GGUF's Q8_0 embedding and lm_head):
+// a step's 16 levels in one register, as int4_tile_avx512 keeps them, with the same bits as int8_group_rows.
+constexpr int kInt8GroupRowsAvx512 = 6, kInt8GroupColsAvx512 = 2;
+
+template <int ROWS, int COLS>
+AVX512 void int8_group_tile_avx512(const float* x, int64_t K, const int8_t* q, const float* s, int64_t group_size,
+                                   float* out, int64_t out_stride) {
+  const int64_t groups = K / group_size;
+  __m256 acc[ROWS][COLS];
+  for (int r = 0; r < ROWS; ++r) {
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 dot[ROWS][COLS];
+    for (int r = 0; r < ROWS; ++r) {
+      for (int c = 0; c < COLS; ++c) dot[r][c] = _mm512_setzero_ps();
+    }
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kStep) {
+      __m512 levels[COLS];
+      for (int c = 0; c < COLS; ++c) {
+        const int8_t* bytes_at = q + c * K + k;
+        _mm_prefetch(reinterpret_cast<const char*>(bytes_at) + kPrefetchBytes, _MM_HINT_T0);
+        levels[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes_at))));
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 row = _mm512_loadu_ps(x + r * K + k);
+        for (int c = 0; c < COLS; ++c) dot[r][c] = _mm512_fmadd_ps(row, levels[c], dot[r][c]);
+      }
+    }
+    for (int c = 0; c < COLS; ++c) {
+      const __m256 scale = _mm256_set1_ps(s[c * groups + g]);
+      for (int r = 0; r < ROWS; ++r) acc[r][c] = _mm256_fmadd_ps(halves_sum(dot[r][c]), scale, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    for (int c = 0; c < COLS; ++c) out[r * out_stride + c] = horizontal_sum(acc[r][c]);
+  }
 }
 
 // fp32 weights (an unquantized layer, decoding): the same loop without a conversion, so one row is
@@ -373,10 +414,19 @@ at::Tensor int8_group_matmul(const at::Tensor& x, const at::Tensor& qweight, con
   const int64_t groups = K / group_size;
   TORCH_CHECK(scales.numel() == N * groups, "scales: [N, K / group_size]");
   const Int8Operands ops = int8_operands(xc, qweight, scales, N);
-  over_channels<kInt8GroupRowTile>(M, N, [&](auto rows, int64_t m, int64_t n) {
-    int8_group_rows<decltype(rows)::value>(ops.x + m * K, K, ops.q + n * K, ops.s + n * groups, group_size,
-                                           ops.o + m * N + n, N);
-  });
+  if (fp32_x_avx512.load()) {
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      over_tiles<kInt8GroupRowsAvx512, kInt8GroupColsAvx512>(M, begin, end, [&](auto r, auto c, int64_t m, int64_t n) {
+        int8_group_tile_avx512<decltype(r)::value, decltype(c)::value>(ops.x + m * K, K, ops.q + n * K,
+                                                                       ops.s + n * groups, group_size, ops.o + m * N + n, N);
+      });
+    });
+  } else {
+    over_channels<kInt8GroupRowTile>(M, N, [&](auto rows, int64_t m, int64_t n) {
+      int8_group_rows<decltype(rows)::value>(ops.x + m * K, K, ops.q + n * K, ops.s + n * groups, group_size,
+                                             ops.o + m * N + n, N);
+    });
+  }
   return shaped_like(ops.out, x);
 }
 
@@ -403,8 +453,9 @@ at::Tensor fp32_matmul(const at::Tensor& x, const at::Tensor& weight) {
   return shaped_like(out, x);
 }
 
-// The instruction set of the loops that multiply fp32 x (fp32_matmul, int4_matmul): "" asks; "avx2" forces
-// the AVX2 loops (to test or compare them on an AVX-512 machine); "best" goes back to the best the CPU has.
+// The instruction set of the loops that multiply fp32 x (fp32_matmul, int4_matmul, int8_group_matmul):
+// "" asks; "avx2" forces the AVX2 loops (to test or compare them on an AVX-512 machine); "best" goes back
+// to the best the CPU has.
 std::string fp32_x_isa(const std::string& isa) {
   TORCH_CHECK(isa.empty() || isa == "avx2" || isa == "best", "fp32_x_isa: '', 'avx2' or 'best', got '", isa, "'");
   if (!isa.empty()) fp32_x_avx512.store(isa == "best" && __builtin_cpu_supports("avx512f"));

@@ -506,7 +506,7 @@ def test_fp32_weights_run_the_kernel_for_few_rows_one_row_at_a_time():
 
 @needs_cpu_kernel
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 32])
-@pytest.mark.parametrize("weights", ["fp32", "int4/32", "int4/128"])
+@pytest.mark.parametrize("weights", ["fp32", "int4/32", "int4/128", "int8/32", "int8/64"])
 def test_fp32_x_kernels_give_the_same_bits_in_either_instruction_set(weights, rows):
     """The AVX-512 loops (tiles of rows x channels) sum each (row, channel) as the AVX2 loops do: the same
     bits, whatever the tile, including the channels left after the last whole tile (N = 47)."""
@@ -517,7 +517,9 @@ def test_fp32_x_kernels_give_the_same_bits_in_either_instruction_set(weights, ro
         weight = torch.randn(N, K)
         matmul, reference = (lambda x: cpu_ops().fp32_matmul(x, weight)), (lambda x: F.linear(x, weight))
     else:
-        stored_w = int4_weights(N, K, int(weights.split("/")[1]))
+        kind, group = weights.split("/")
+        q, scales, zeros, _ = int8_weights(N, K) if kind == "int8" else int4_weights(N, K, int(group))
+        stored_w = (q, torch.rand(N, K // int(group)) / 64, None, int(group)) if kind == "int8" else (q, scales, zeros, int(group))
         matmul, reference = (lambda x: quant_matmul_cpu(x, *stored_w)), (lambda x: quant_matmul_reference(x, *stored_w))
     x = torch.randn(rows, K)
     wide = matmul(x)
