@@ -130,33 +130,51 @@ void int4_rows(const float* x, const float* x_sums, int64_t K, const uint8_t* q,
 // instruction set, whatever the tile.
 constexpr int kInt4RowsAvx512 = 6, kInt4ColsAvx512 = 2;  // 12 group sums, 12 accumulators, 2 levels, 1 of x
 
-template <int ROWS, int COLS>
-AVX512 void int4_tile_avx512(const float* x, const float* x_sums, int64_t K, const uint8_t* q, const float* s,
-                             const float* z, int64_t group_size, float* out, int64_t out_stride) {
+// Levels of 16 columns of one channel as fp32, for grouped_sums_avx512.
+struct Int4Levels {  // packed int4: 8 bytes, low nibbles (even columns) then high ones (odd), as x is split
+  const uint8_t* q;
+  int64_t K;
+  AVX512 __m512 operator()(int c, int64_t k) const {
+    const uint8_t* bytes_at = q + c * (K / 2) + k / 2;
+    _mm_prefetch(reinterpret_cast<const char*>(bytes_at) + kPrefetchBytes, _MM_HINT_T0);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes_at));
+    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+    const __m128i even = _mm_and_si128(bytes, low_nibbles);
+    const __m128i odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(even, odd)));
+  }
+};
+
+struct Int8Levels {  // int8: 16 bytes in column order
+  const int8_t* q;
+  int64_t K;
+  AVX512 __m512 operator()(int c, int64_t k) const {
+    const int8_t* bytes_at = q + c * K + k;
+    _mm_prefetch(reinterpret_cast<const char*>(bytes_at) + kPrefetchBytes, _MM_HINT_T0);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes_at))));
+  }
+};
+
+// acc[r][c] = sum over groups g of s[c, g] (sum over g's columns of x[r] * levels of channel c): the loop
+// of int4_rows and int8_group_rows, one 16-lane register per step where they keep two of 8 lanes.
+template <int ROWS, int COLS, typename Levels>
+AVX512 inline void grouped_sums_avx512(const float* x, int64_t K, const float* s, int64_t group_size,
+                                       const Levels& levels, __m256 (&acc)[ROWS][COLS]) {
   const int64_t groups = K / group_size;
-  __m256 acc[ROWS][COLS];
   for (int r = 0; r < ROWS; ++r) {
     for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_setzero_ps();
   }
-  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     __m512 dot[ROWS][COLS];
     for (int r = 0; r < ROWS; ++r) {
       for (int c = 0; c < COLS; ++c) dot[r][c] = _mm512_setzero_ps();
     }
     for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kStep) {
-      __m512 levels[COLS];
-      for (int c = 0; c < COLS; ++c) {
-        const uint8_t* bytes_at = q + c * (K / 2) + k / 2;
-        _mm_prefetch(reinterpret_cast<const char*>(bytes_at) + kPrefetchBytes, _MM_HINT_T0);
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes_at));
-        const __m128i even = _mm_and_si128(bytes, low_nibbles);
-        const __m128i odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
-        levels[c] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(even, odd)));
-      }
+      __m512 level[COLS];
+      for (int c = 0; c < COLS; ++c) level[c] = levels(c, k);
       for (int r = 0; r < ROWS; ++r) {
         const __m512 row = _mm512_loadu_ps(x + r * K + k);
-        for (int c = 0; c < COLS; ++c) dot[r][c] = _mm512_fmadd_ps(row, levels[c], dot[r][c]);
+        for (int c = 0; c < COLS; ++c) dot[r][c] = _mm512_fmadd_ps(row, level[c], dot[r][c]);
       }
     }
     for (int c = 0; c < COLS; ++c) {
@@ -164,6 +182,14 @@ AVX512 void int4_tile_avx512(const float* x, const float* x_sums, int64_t K, con
       for (int r = 0; r < ROWS; ++r) acc[r][c] = _mm256_fmadd_ps(halves_sum(dot[r][c]), scale, acc[r][c]);
     }
   }
+}
+
+template <int ROWS, int COLS>
+AVX512 void int4_tile_avx512(const float* x, const float* x_sums, int64_t K, const uint8_t* q, const float* s,
+                             const float* z, int64_t group_size, float* out, int64_t out_stride) {
+  const int64_t groups = K / group_size;
+  __m256 acc[ROWS][COLS];
+  grouped_sums_avx512<ROWS, COLS>(x, K, s, group_size, Int4Levels{q, K}, acc);
   for (int r = 0; r < ROWS; ++r) {
     for (int c = 0; c < COLS; ++c) {
       out[r * out_stride + c] = horizontal_sum(acc[r][c]) +
@@ -210,39 +236,14 @@ void int8_group_rows(const float* x, int64_t K, const int8_t* q, const float* s,
 }
 
 // int8_group_rows with AVX-512, in tiles of ROWS rows x COLS channels (GGUF's Q8_0 embedding and lm_head):
-// a step's 16 levels in one register, as int4_tile_avx512 keeps them, with the same bits as int8_group_rows.
+// grouped_sums_avx512 over its levels, with the same bits as int8_group_rows.
 constexpr int kInt8GroupRowsAvx512 = 6, kInt8GroupColsAvx512 = 2;
 
 template <int ROWS, int COLS>
 AVX512 void int8_group_tile_avx512(const float* x, int64_t K, const int8_t* q, const float* s, int64_t group_size,
                                    float* out, int64_t out_stride) {
-  const int64_t groups = K / group_size;
   __m256 acc[ROWS][COLS];
-  for (int r = 0; r < ROWS; ++r) {
-    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_setzero_ps();
-  }
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 dot[ROWS][COLS];
-    for (int r = 0; r < ROWS; ++r) {
-      for (int c = 0; c < COLS; ++c) dot[r][c] = _mm512_setzero_ps();
-    }
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kStep) {
-      __m512 levels[COLS];
-      for (int c = 0; c < COLS; ++c) {
-        const int8_t* bytes_at = q + c * K + k;
-        _mm_prefetch(reinterpret_cast<const char*>(bytes_at) + kPrefetchBytes, _MM_HINT_T0);
-        levels[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes_at))));
-      }
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512 row = _mm512_loadu_ps(x + r * K + k);
-        for (int c = 0; c < COLS; ++c) dot[r][c] = _mm512_fmadd_ps(row, levels[c], dot[r][c]);
-      }
-    }
-    for (int c = 0; c < COLS; ++c) {
-      const __m256 scale = _mm256_set1_ps(s[c * groups + g]);
-      for (int r = 0; r < ROWS; ++r) acc[r][c] = _mm256_fmadd_ps(halves_sum(dot[r][c]), scale, acc[r][c]);
-    }
-  }
+  grouped_sums_avx512<ROWS, COLS>(x, K, s, group_size, Int8Levels{q, K}, acc);
   for (int r = 0; r < ROWS; ++r) {
     for (int c = 0; c < COLS; ++c) out[r * out_stride + c] = horizontal_sum(acc[r][c]);
   }
