@@ -1,7 +1,7 @@
 """Time of one quantized matmul on the CPU: the kernel against dequantize + matmul and against fp32.
 
     python -m kernels.bench_quant_matmul results/pycode/quant_matmul_cpu.json [--repeats 15]
-        [--shapes "smollm2 lm_head" ...] [--rows 1 6] [--stream] [--fp32-only]
+        [--shapes "smollm2 lm_head" ...] [--rows 1 6] [--stream]
 
 For each layer shape (the shipped target's MLP, a 369M Llama's: hidden 2048, MLP 5632, and
 SmolLM2-135M's: hidden 576, 3 KV heads of 64, MLP 1536, vocab 49152) and each number of rows of x
@@ -12,8 +12,8 @@ the same kernel with x rounded to int8 per 32 columns ("kernel int8-x": integer 
 instruction set the JSON names), and the reference (dequantize + one matmul); and the same kernel's
 loop over the fp32 W ("fp32 kernel", kernels.dense_matmul: where it beats F.linear is the measurement
 behind DENSE_KERNEL_MAX_ROWS). On an AVX-512 CPU, where the fp32, int4 and int8/32 kernels run AVX-512 tiles,
-also their AVX2 loops ("fp32 kernel avx2", "int4 kernel avx2", "int8/32 kernel avx2"). --fp32-only times only
-the fp32 ways.
+also their AVX2 loops ("fp32 kernel avx2", "int4 kernel avx2", "int8/32 kernel avx2")
+for comparison.
 Ways alternate call by call within each repeat (the same machine load for all); each timing is
 enough calls to last about 20 ms, and the JSON holds the median milliseconds per call over
 repeats, the speed-up over fp32, and per scheme the largest row count where the kernel still
@@ -53,7 +53,7 @@ SCHEMES = ("int8", "int8/32", "int4")
 STREAM_BYTES = 2**30
 
 
-def ways_for(N: int, K: int, stream: bool = False, fp32_only: bool = False) -> dict:
+def ways_for(N: int, K: int, stream: bool = False) -> dict:
     """way name -> function of x, all computing x W^T for a random W. stream: each call takes the next of
     enough copies of W (1 GiB of fp32) that none is still in a cache, as in decoding a whole model."""
     copies = -(-STREAM_BYTES // (4 * N * K)) if stream else 1
@@ -65,16 +65,12 @@ def ways_for(N: int, K: int, stream: bool = False, fp32_only: bool = False) -> d
 
     ways = {"fp32": way(lambda x, w: F.linear(x, w["fp32"])),
             "fp32 kernel": way(lambda x, w: cpu_ops().fp32_matmul(x, w["fp32"]))}
-    avx512 = cpu_ops().fp32_x_isa("") == "avx512"
-    if avx512:
-        ways["fp32 kernel avx2"] = way(in_avx2(lambda x, w: cpu_ops().fp32_matmul(x, w["fp32"])))
-    if fp32_only:
-        return ways
     for scheme in SCHEMES:
         ways |= {f"{scheme} kernel": way(lambda x, w, s=scheme: quant_matmul_cpu(x, *w[s])),
                  f"{scheme} kernel int8-x": way(lambda x, w, s=scheme: quant_matmul_cpu(x, *w[s], int8_activations=True)),
                  f"{scheme} dequantize": way(lambda x, w, s=scheme: quant_matmul_reference(x, *w[s]))}
-    if avx512:
+    if cpu_ops().fp32_x_isa("") == "avx512":
+        ways["fp32 kernel avx2"] = way(in_avx2(lambda x, w: cpu_ops().fp32_matmul(x, w["fp32"])))
         ways |= {f"{scheme} kernel avx2": way(in_avx2(lambda x, w, s=scheme: quant_matmul_cpu(x, *w[s])))
                  for scheme in ("int4", "int8/32")}
     return ways
@@ -111,9 +107,9 @@ def calls_lasting(fn, x, seconds: float = 0.02) -> int:
     return calls
 
 
-def time_shape(N: int, K: int, rows: int, repeats: int, stream: bool = False, fp32_only: bool = False) -> dict[str, float]:
+def time_shape(N: int, K: int, rows: int, repeats: int, stream: bool = False) -> dict[str, float]:
     """way -> median ms per call."""
-    ways = ways_for(N, K, stream, fp32_only)
+    ways = ways_for(N, K, stream)
     x = torch.randn(rows, K)
     calls = {name: calls_lasting(fn, x) for name, fn in ways.items()}  # also the warm-up
     times = {name: [] for name in ways}
@@ -143,28 +139,25 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     parser.add_argument("--stream", action="store_true", help="weights from memory, not from the caches")
-    parser.add_argument("--fp32-only", action="store_true", help="only F.linear and the fp32 kernel")
     args = parser.parse_args()
     if cpu_ops() is None:
         raise SystemExit("error: the CPU kernel is not available here (needs AVX2 and a C++ compiler)")
     shapes = {}
     for name in args.shapes:
         N, K = SHAPES[name]
-        by_rows = {rows: time_shape(N, K, rows, args.repeats, args.stream, args.fp32_only) for rows in args.rows}
+        by_rows = {rows: time_shape(N, K, rows, args.repeats, args.stream) for rows in args.rows}
         shapes[name] = {"N": N, "K": K,
                         "ms_per_call": {rows: {w: round(ms, 4) for w, ms in r.items()} for rows, r in by_rows.items()},
                         "speedup_over_fp32": {rows: {w: round(r["fp32"] / ms, 2) for w, ms in r.items() if w != "fp32"}
                                               for rows, r in by_rows.items()},
-                        "kernel_beats_dequantize_up_to_rows": {} if args.fp32_only else {
-                            f"{s} {k}": wins_up_to(by_rows, f"{s} {k}", f"{s} dequantize")
-                            for s in SCHEMES for k in ("kernel", "kernel int8-x")},
+                        "kernel_beats_dequantize_up_to_rows": {f"{s} {k}": wins_up_to(by_rows, f"{s} {k}", f"{s} dequantize")
+                                                               for s in SCHEMES for k in ("kernel", "kernel int8-x")},
                         "fp32_kernel_beats_fp32_up_to_rows": wins_up_to(by_rows, "fp32 kernel", "fp32")}
         print(name, json.dumps(shapes[name]["speedup_over_fp32"]), shapes[name]["kernel_beats_dequantize_up_to_rows"],
               "fp32 kernel beats F.linear up to", shapes[name]["fp32_kernel_beats_fp32_up_to_rows"], "rows")
     shape_names = " ".join(f'"{name}"' for name in args.shapes)
     result = {"command": f"python -m kernels.bench_quant_matmul {args.out} --repeats {args.repeats} "
-                         f"--shapes {shape_names} --rows {' '.join(map(str, args.rows))}" + (" --stream" if args.stream else "")
-                         + (" --fp32-only" if args.fp32_only else ""),
+                         f"--shapes {shape_names} --rows {' '.join(map(str, args.rows))}" + (" --stream" if args.stream else ""),
               "git_revision": git_revision(), "machine": machine(), "int8_dot_isa": cpu_ops().int8_dot_isa(""),
               "fp32_x_isa": cpu_ops().fp32_x_isa(""),
               "group_size": GROUP_SIZE, "cpu_kernel_max_rows": CPU_KERNEL_MAX_ROWS,
