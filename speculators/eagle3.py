@@ -17,7 +17,7 @@ query sees the step-0 keys of positions <= t (the verified context) and the keys
 position t from steps 1..j (its own draft chain), at rotary position t+j.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,7 @@ class Eagle3Config:
     num_speculative_tokens: int = 5  # K: draft steps unrolled in training (training-time test; anchors use 3 to 7)
     step_decay: float = 0.8  # loss weight of step j is step_decay**j (EAGLE-3: 0.8)
     draft_vocab_size: int = 32000
+    intermediate_size: int | None = None  # the layer's MLP width; None: the target's
     norm_before_residual: bool = False  # True: the residual carries hidden_norm(h) instead of h
     fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per auxiliary hidden state before fc
     norm_before_fc: bool = False  # EAGLE-3.1: one RMSNorm over the concatenated hidden states before fc
@@ -47,6 +48,8 @@ class Eagle3Config:
     def __post_init__(self):
         at_least(1, drafter__num_speculative_tokens=self.num_speculative_tokens,
                  drafter__draft_vocab_size=self.draft_vocab_size)
+        if self.intermediate_size is not None:
+            at_least(1, drafter__intermediate_size=self.intermediate_size)
         require(self.step_decay > 0, "drafter.step_decay", self.step_decay, "> 0")
         one_of("drafter.loss", self.loss, KINDS)
         if self.fc_norm and self.norm_before_fc:
@@ -56,11 +59,12 @@ class Eagle3Config:
 EAGLE31_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")  # exported as config flags of these names
 
 
-def layer_config(target: FrozenTarget) -> LlamaConfig:
-    """The drafter's decoder layer: the target's attention and MLP shapes, one layer, the target's vocab."""
+def layer_config(target: FrozenTarget, intermediate_size: int | None = None) -> LlamaConfig:
+    """The drafter's decoder layer: the target's attention and MLP shapes (the MLP as wide as
+    `intermediate_size` when given), one layer, the target's vocab."""
     c = target.config
     return LlamaConfig(
-        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        hidden_size=c.hidden_size, intermediate_size=intermediate_size or c.intermediate_size,
         num_attention_heads=c.num_attention_heads,
         num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
@@ -159,7 +163,9 @@ class Eagle3Drafter(Drafter):
         if not target.layer_ids:
             raise UserError("EAGLE-3 reads target features: target.layer_ids must name at least one layer "
                             "(null: the default [2, L//2, L-3])")
-        drafter = cls(cfg, layer_config(target), target.layer_ids, target.hidden_size)
+        layer_cfg = layer_config(target, cfg.intermediate_size)
+        cfg = replace(cfg, intermediate_size=layer_cfg.intermediate_size)  # what an export's config.json reads back
+        drafter = cls(cfg, layer_cfg, target.layer_ids, target.hidden_size)
         drafter.start_from_target(target, token_counts, cfg.draft_vocab_size)
         return drafter
 
@@ -168,6 +174,7 @@ class Eagle3Drafter(Drafter):
         """An empty drafter shaped by an export's config.json (speculators.export reads the weights)."""
         k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
         cfg = Eagle3Config(num_speculative_tokens=k, draft_vocab_size=config["draft_vocab_size"],
+                           intermediate_size=layer_cfg.intermediate_size,
                            norm_before_residual=config["norm_before_residual"],
                            **{flag: config.get(flag, False) for flag in EAGLE31_FLAGS})
         return cls(cfg, layer_cfg, config["eagle_aux_hidden_state_layer_ids"], config["target_hidden_size"])

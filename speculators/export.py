@@ -206,7 +206,7 @@ def read_eagle3(config: dict, weights: dict):
     layer_cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in EAGLE3_FORMAT_KEYS})
     draft_vocab.check(weights.get("d2t"), weights.get("t2d"), layer_cfg.vocab_size, config["draft_vocab_size"])
     cfg = Eagle3Config(num_speculative_tokens=config.get("num_speculative_tokens", 5),
-                       draft_vocab_size=config["draft_vocab_size"],
+                       draft_vocab_size=config["draft_vocab_size"], intermediate_size=layer_cfg.intermediate_size,
                        norm_before_residual=config.get("norm_before_residual", False))
     drafter = Eagle3Drafter(cfg, layer_cfg, config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
                             config["target_hidden_size"])

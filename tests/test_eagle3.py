@@ -97,6 +97,15 @@ def test_layer_config_follows_the_target(target):
     assert lc.vocab_size == target.vocab_size and lc.num_hidden_layers == 1
 
 
+def test_mlp_width_is_the_targets_unless_set(target, make_drafter):
+    assert make_drafter(target).cfg.intermediate_size == target.config.intermediate_size
+    wide = make_drafter(target, intermediate_size=3 * target.config.intermediate_size)
+    assert wide.layers[0].mlp.gate_proj.weight.shape[0] == 3 * target.config.intermediate_size
+    assert wide.layers[0].mlp.down_proj.weight.shape[1] == 3 * target.config.intermediate_size
+    with pytest.raises(UserError, match="drafter.intermediate_size"):
+        Eagle3Config(intermediate_size=0)
+
+
 def test_eagle31_normalises_fc_input_one_way_only():
     with pytest.raises(UserError, match="drafter.fc_norm and drafter.norm_before_fc .* set one") as error:
         Eagle3Config(fc_norm=True, norm_before_fc=True)

@@ -26,7 +26,8 @@ def trained_a_little(drafter, target, ids, steps=3):
 
 
 @pytest.mark.parametrize("fields", [{}, {"norm_before_residual": True}, {"fc_norm": True, "norm_output": True},
-                                    {"norm_before_fc": True, "norm_output": True}])  # the last two: EAGLE-3.1
+                                    {"norm_before_fc": True, "norm_output": True},  # these two: EAGLE-3.1
+                                    {"intermediate_size": 80}])  # an MLP wider than the target's
 def test_save_load_round_trip(target, make_drafter, text_batch, tmp_path, fields):
     drafter = trained_a_little(make_drafter(target, num_speculative_tokens=4, **fields), target, text_batch)
     out_dir = export.save(drafter, tmp_path / "export", Verifier("org/verifier-model", ["SomeForCausalLM"]))
