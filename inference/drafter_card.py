@@ -22,7 +22,6 @@ the drafter folder has one, its hand-written RECIPE.md (the data, the schedule a
 """
 
 import json
-import re
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -55,7 +54,7 @@ class DrafterCardConfig:
     speed_prompts: int = 4  # MT-bench first turns in the speed benchmark
     repeats: int = 3
     chain_lengths: list[int] = field(default_factory=lambda: [1, 2, 3])  # shorter chains timed beside K
-    lookup_chain_lengths: list[int] = field(default_factory=lambda: [1, 5])  # K of chains behind n-gram lookup timed
+    lookup_chain_lengths: list[int] = field(default_factory=lambda: [1, 2])  # K of chains behind n-gram lookup timed
     chain_min_probs: list[float] = field(default_factory=lambda: [0.4])  # chains of K ending where the drafter is unsure
     check_prompts: int = 3  # what the shipped-drafter test serves again
     check_new_tokens: int = 48
@@ -212,26 +211,38 @@ def markdown(card: dict) -> str:
 
 
 def usage(card: dict) -> list[str]:
-    """How to serve it: the bundled engine on the target it was trained for, at the chain length that served it
+    """How to serve it: the bundled engine on the target it was trained for, in the chain setting that served it
     fastest, and the other engines' formats."""
     drafter, quant = card["drafter"], card["served_quant"]["scheme"]
-    k, speedup = fastest_chain(card["speed"]["packed"])
+    overrides, setting, speedup = fastest_setting(card["speed"]["packed"], card["lookup"])
     return ["## Use it", "",
-            f"    python -m inference drafter={drafter} quant={quant} eval=mtbench num_speculative_tokens={k}",
+            f"    python -m inference drafter={drafter} quant={quant} eval=mtbench {overrides}",
             f"    python -m speculators.export {drafter} OUT --format eagle3 --dtype bfloat16  # SGLang, EAGLE-3",
             f"    python -m speculators.export {drafter} draft.gguf --format gguf  # llama.cpp: -md draft.gguf "
             "--spec-type draft-eagle3",
             "",
             "The folder itself is in the vLLM speculators format (`config.json`, `model.safetensors`; the embeddings "
             "are the target's own, left out). The bundled engine serves it with the target named in its config; "
-            f"of the plain chains in the speed table below, K={k} served that target fastest ({speedup:.2f}x).", ""]
+            f"of the chains in the speed table below, {setting} served that target fastest ({speedup:.2f}x).", ""]
 
 
-def fastest_chain(rows: dict) -> tuple[int, float]:
-    """(K, speed-up) of the plain chain (`speculative_chain` or `speculative_chain_k<N>` of bench.run) that
-    decoded fastest."""
-    best = max((m for m in rows if re.fullmatch(r"speculative_chain(_k\d+)?", m)), key=lambda m: rows[m]["speedup"])
-    return rows[best]["num_speculative_tokens"], rows[best]["speedup"]
+def fastest_setting(rows: dict, lookup: dict) -> tuple[str, str, float]:
+    """(the inference command's overrides, what they set, speed-up) of the chain method of bench.run that decoded
+    fastest: plain (`speculative_chain`, `speculative_chain_k<N>`), stopping where the drafter is unsure
+    (`speculative_chain_min_prob<p>`) or behind n-gram lookup (`speculative_chain_k<N>_lookup`, drafted as
+    `lookup`, the card's DraftingConfig, says)."""
+    best = max((m for m in rows if m.startswith("speculative_chain")), key=lambda m: rows[m]["speedup"])
+    k = rows[best]["num_speculative_tokens"]
+    overrides, setting = f"num_speculative_tokens={k}", f"K={k}"
+    if best.endswith("_lookup"):
+        overrides += "".join(f" drafting.{key}={lookup[key]}"
+                             for key in ("prompt_lookup_max", "prompt_lookup_min", "prompt_lookup_tokens"))
+        setting += " behind n-gram lookup"
+    elif "_min_prob" in best:
+        p = best.rsplit("_min_prob", 1)[1]
+        overrides += f" drafting.chain_min_prob={p}"
+        setting += f", stopping before a draft below probability {p}"
+    return overrides, setting, rows[best]["speedup"]
 
 
 @hydra.main(config_path="../conf/inference", config_name="drafter_card", version_base="1.3")
