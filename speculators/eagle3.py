@@ -210,14 +210,14 @@ class Eagle3Drafter(Drafter):
 
         Returns (loss, metrics) with loss and accuracy (draft argmax == target argmax) per step.
         """
-        layer, T = self.layers[0], input_ids.shape[1]
+        T = input_ids.shape[1]
         target_logits = target_out.logits
         target_argmax = target_logits.argmax(-1)
         in_draft_vocab = self.t2d[target_argmax]
         target_draft = target_logits.index_select(-1, self.draft_to_target)  # [B, T, D], read once
         every_draft_id = torch.arange(target_draft.shape[-1], device=input_ids.device)
         hidden = self.fuse(target_out.aux_hidden)
-        keys, values, loss, metrics = [], [], 0.0, {}
+        keys, values, loss, metrics = [[] for _ in self.layers], [[] for _ in self.layers], 0.0, {}
         for j in range(self.cfg.num_speculative_tokens):
             tokens = shift_left(input_ids, 1 + j)
             # Position t is trained on the distribution at t+1+j, i.e. on predicting token t+2+j.
@@ -225,11 +225,7 @@ class Eagle3Drafter(Drafter):
             trained = counted & shift_left(in_draft_vocab, 1 + j)
             cos, sin = rotary(torch.arange(T, device=input_ids.device) + j, self.layer_cfg.head_dim,
                               rope_theta(self.layer_cfg))
-            residual, x = layer.attention_input(self.embed_tokens(tokens), hidden)
-            q, k, v = layer.self_attn.qkv(x, cos, sin)
-            keys.append(k)
-            values.append(v)
-            hidden = self.carried(layer.finish(residual, ttt_attention(q, keys, values)))
+            hidden = self.carried(self.ttt_pass(tokens, hidden, keys, values, cos, sin))
             # Only counted positions reach the lm_head (prompts and padding are half of a chat batch).
             rows, cols = counted.nonzero(as_tuple=True)
             logits = self.logits(hidden[rows, cols])
@@ -241,6 +237,17 @@ class Eagle3Drafter(Drafter):
             metrics[f"loss_step{j}"] = step_loss.detach()
             metrics[f"acc_step{j}"] = hits.sum() / counted.sum().clamp(min=1)
         return loss, metrics
+
+    def ttt_pass(self, tokens: torch.Tensor, hidden: torch.Tensor, keys: list[list[torch.Tensor]],
+                 values: list[list[torch.Tensor]], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The decoder layer at one training-time-test step; keys[i]/values[i] collect layer i's keys and
+        values of the steps so far, which later steps attend to (ttt_attention)."""
+        layer = self.layers[0]
+        residual, x = layer.attention_input(self.embed_tokens(tokens), hidden)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        keys[0].append(k)
+        values[0].append(v)
+        return layer.finish(residual, ttt_attention(q, keys[0], values[0]))
 
     def rotary_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [positions, head_dim] of at least `length` positions, computed once per growth:
