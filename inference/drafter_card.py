@@ -229,8 +229,8 @@ def usage(card: dict) -> list[str]:
 def fastest_setting(rows: dict, lookup: dict) -> tuple[str, str, float]:
     """(the inference command's overrides, what they set, speed-up) of the chain method of bench.run that decoded
     fastest: plain (`speculative_chain`, `speculative_chain_k<N>`), stopping where the drafter is unsure
-    (`speculative_chain_min_prob<p>`) or behind n-gram lookup (`speculative_chain_k<N>_lookup`, drafted as
-    `lookup`, the card's DraftingConfig, says)."""
+    (`speculative_chain_min_prob<p>`) or behind n-gram lookup (`speculative_chain_k<N>_lookup`, with the n-gram
+    settings of `lookup`, the card's lookup DraftingConfig)."""
     best = max((m for m in rows if m.startswith("speculative_chain")), key=lambda m: rows[m]["speedup"])
     k = rows[best]["num_speculative_tokens"]
     overrides, setting = f"num_speculative_tokens={k}", f"K={k}"

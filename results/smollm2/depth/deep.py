@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculators import export, families
-from speculators.eagle3 import Eagle3Attention, Eagle3Config, Eagle3Drafter, ttt_attention
+from speculators.eagle3 import Eagle3Attention, Eagle3Config, Eagle3DecoderLayer, Eagle3Drafter, ttt_attention
 from speculators.layers import KVCache, RMSNorm, SwiGLU
 
 
@@ -40,10 +40,7 @@ class PlainLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
-    def finish(self, residual, attn):
-        B, _, T, _ = attn.shape
-        h = residual + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    finish = Eagle3DecoderLayer.finish  # o_proj, residual add and MLP, as EAGLE-3's own layer
 
 
 class LayerCaches:
@@ -78,7 +75,7 @@ class DeepEagle3Drafter(Eagle3Drafter):
             assert not unexpected and all(name.startswith("layers.") and not name.startswith("layers.0.")
                                           for name in missing), (missing, unexpected)
             with torch.no_grad():
-                for layer in list(drafter.layers)[1:]:
+                for layer in drafter.layers[1:]:
                     layer.self_attn.o_proj.weight.zero_()
                     layer.mlp.down_proj.weight.zero_()
         return drafter
@@ -91,7 +88,7 @@ class DeepEagle3Drafter(Eagle3Drafter):
 
     def ttt_pass(self, tokens, hidden, keys, values, cos, sin):
         hidden = super().ttt_pass(tokens, hidden, keys, values, cos, sin)
-        for i, layer in enumerate(list(self.layers)[1:], 1):
+        for i, layer in enumerate(self.layers[1:], 1):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(hidden), cos, sin)
             keys[i].append(k)
             values[i].append(v)
@@ -112,7 +109,7 @@ class DeepEagle3Drafter(Eagle3Drafter):
             visible = torch.arange(start + m)[None, :] <= torch.arange(start, start + m)[:, None]
         else:
             cos, sin = (table[positions] for table in self.rotary_table(int(positions.max()) + 1))
-        for layer, layer_cache in zip(list(self.layers)[1:], caches[1:]):
+        for layer, layer_cache in zip(self.layers[1:], caches[1:]):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(hidden), cos, sin)
             keys, values = layer_cache.append(k, v)
             hidden = layer.finish(hidden, F.scaled_dot_product_attention(q, keys, values, attn_mask=visible))
