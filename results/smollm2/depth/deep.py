@@ -11,9 +11,9 @@ project's own command runs:
     python results/smollm2/depth/deep.py inference.compare <inference.compare overrides>
 """
 
-import runpy
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,9 @@ from torch import nn
 from speculators import export, families
 from speculators.eagle3 import Eagle3Attention, Eagle3Config, Eagle3DecoderLayer, Eagle3Drafter, ttt_attention
 from speculators.layers import KVCache, RMSNorm, SwiGLU
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # results/smollm2/patched.py
+from patched import run_command  # noqa: E402
 
 
 @dataclass
@@ -119,11 +122,7 @@ class DeepEagle3Drafter(Eagle3Drafter):
 
 def main():
     families.FAMILIES["eagle3"] = DeepEagle3Drafter
-    command, sys.argv = sys.argv[1], [sys.argv[1], *sys.argv[2:]]
-    if command.endswith(".py"):
-        runpy.run_path(command, run_name="__main__")
-    else:
-        runpy.run_module(command, run_name="__main__", alter_sys=True)
+    run_command(sys.argv[1:])
 
 
 if __name__ == "__main__":

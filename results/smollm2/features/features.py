@@ -12,10 +12,13 @@ With target.layer_ids=[2, 15, 27] and REPLACED=2 the drafter reads layers 2, 15 
 A compare runs every drafter it names with the same replacement: one set of features per compare.
 """
 
-import runpy
 import sys
+from pathlib import Path
 
 from speculators import target
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # results/smollm2/patched.py
+from patched import run_command  # noqa: E402
 
 
 def replace_feature(position: int) -> None:
@@ -30,11 +33,7 @@ def replace_feature(position: int) -> None:
 
 def main():
     replace_feature(int(sys.argv[1]))
-    command, sys.argv = sys.argv[2], [sys.argv[2], *sys.argv[3:]]
-    if command.endswith(".py"):
-        runpy.run_path(command, run_name="__main__")
-    else:
-        runpy.run_module(command, run_name="__main__", alter_sys=True)
+    run_command(sys.argv[2:])
 
 
 if __name__ == "__main__":
