@@ -8,7 +8,7 @@ drafter's own K (the depth it was trained for) when that is null, interleaved wi
 decoding prompt by prompt, for `repeats` rounds; tokens/s is the median over rounds. Per row:
 tau and the acceptance rate per position (vLLM's definitions), tokens/s, speed-up, where the
 time goes, whether outputs equal target-only greedy, and the drafter's training budget from
-its training.json (steps, tokens seen). Two figures say how far a difference in tau is real:
+its training.json (steps, tokens seen, wall time). Two figures say how far a difference in tau is real:
 its standard error, and the drafter's vocabulary coverage (the share of target-only output
 tokens its draft vocabulary holds: no position's acceptance rate can exceed it). Writes <out>/compare.json, compare.md, compare.png.
 """
@@ -151,16 +151,17 @@ def summary(rows: list[Method]) -> list[dict]:
 
 def markdown(table: list[dict]) -> str:
     lines = ["| drafter | tau (± s.e.) | acceptance per position | vocab coverage | tokens/s | speed-up | matches "
-             "| steps | tokens seen |", "|---|---|---|---|---|---|---|---|---|"]
+             "| steps | tokens seen | training time |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         tau = "-" if r["acceptance_length"] is None else \
             f"{r['acceptance_length']:.2f} ± {r['acceptance_length_stderr']:.2f}"
         coverage = "-" if r["draft_vocabulary_coverage"] is None else f"{r['draft_vocabulary_coverage']:.3f}"
         curve = " ".join(f"{a:.2f}" for a in r["acceptance_rate_per_position"]) or "-"
         training = r["training"] or {}
+        minutes = "-" if training.get("wall_time_s") is None else f"{training['wall_time_s'] / 60:.0f} min"
         lines.append(f"| {r['method']} | {tau} | {curve} | {coverage} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
                      f"{'yes' if r['outputs_match_target_only'] else 'NO'} | {training.get('steps', '-')} | "
-                     f"{training.get('tokens_seen', '-')} |")
+                     f"{training.get('tokens_seen', '-')} | {minutes} |")
     return "\n".join(lines)
 
 

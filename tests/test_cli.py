@@ -56,6 +56,8 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
 
     training = json.loads((export_dir / "training.json").read_text())  # the budget comparisons state
     assert training["family"] == "eagle3" and training["steps"] == 3 and training["tokens_seen"] == 3 * 2 * 64
+    assert 0 <= training["wall_time_s"] < 900
+    first_wall_time = training["wall_time_s"]
     assert training["target_fingerprint"] == FrozenTarget.load(TargetConfig(str(llama_dir), layer_ids=LAYER_IDS)).fingerprint()
 
     report = json.loads((run_dir / "acceptance" / "report.json").read_text())
@@ -78,6 +80,7 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     training = json.loads((continued / "export" / "training.json").read_text())
     assert training["steps"] == 4 and training["tokens_seen"] == 4 * 2 * 64
+    assert training["wall_time_s"] >= first_wall_time  # the continued export's time counted too
     assert training["init_from"] == {"path": str(export_dir), "steps": 3, "tokens_seen": 3 * 2 * 64}
     with safe_open(str(export_dir / "model.safetensors"), "pt") as first, \
             safe_open(str(continued / "export" / "model.safetensors"), "pt") as second:

@@ -24,7 +24,8 @@ def exports(llama_target, make_drafter, tmp_path_factory):
     for seed in (0, 1):
         path = export.save(make_drafter(llama_target, seed=seed), root / f"seed{seed}" / "export",
                            export.Verifier.of(llama_target), training={"family": f"eagle3-seed{seed}", "steps": seed,
-                                                                       "tokens_seen": 100 * seed})
+                                                                       "tokens_seen": 100 * seed,
+                                                                       "wall_time_s": 1800 * seed})
         paths.append(str(path))
     return paths
 
@@ -60,6 +61,8 @@ def test_rows_per_drafter_and_mode_with_measure_s_figures(llama_target, exports,
     result_path = compare.write({"rows": table}, tmp_path)
     markdown = (tmp_path / "compare.md").read_text()
     assert markdown.count("\n") == 2 + len(table) and "eagle3-seed1 (tree)" in markdown
+    assert [line.rsplit("|", 2)[1].strip() for line in markdown.splitlines()[2:]] == [
+        "-", "0 min", "0 min", "30 min", "30 min"]  # training time: target-only has none
     assert (tmp_path / "compare.png").stat().st_size > 0
     assert json.loads(result_path.read_text())["rows"] == table
 

@@ -21,7 +21,7 @@ from speculators import draft_vocab
 from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
 from speculators.tracking import LoggerConfig
-from train.callbacks import TrainingRandomState
+from train.callbacks import TrainingRandomState, wall_time
 from train.data import DataConfig, TextDataModule
 from train.module import DrafterModule
 from train.optim import OptimConfig
@@ -68,6 +68,23 @@ def train(target, run_dir: Path, max_steps: int, resume: str | None = None, call
                            run_dir, [recorder, *callbacks])
     fit(trainer, module, data, resume)
     return recorder.losses
+
+
+class RecordWallTime(L.Callback):
+    def on_train_end(self, trainer, module):
+        self.seconds = wall_time(trainer)
+
+
+def test_resumed_run_counts_the_wall_time_of_the_run_it_resumed(llama_target, tmp_path):
+    train(llama_target, tmp_path / "first", max_steps=3)
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(last, map_location="cpu", weights_only=False)
+    assert 0 < checkpoint["wall_time"] < 600
+    checkpoint["wall_time"] = 10_000.0  # as if the first run had trained for hours
+    torch.save(checkpoint, last)
+    clock = RecordWallTime()
+    train(llama_target, tmp_path / "resumed", max_steps=6, resume=str(tmp_path / "first"), callbacks=[clock])
+    assert 10_000 < clock.seconds < 10_600
 
 
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(llama_target, tmp_path):

@@ -43,7 +43,7 @@ def model_dir(tmp_path_factory, stdlib):
     # A few train files keep save_target's token count fast; the hash is then fixed to the full corpus's.
     small = datasets.DatasetDict(train=stdlib["train"].select(range(5)), validation=stdlib["validation"], test=stdlib["test"])
     out = tmp_path_factory.mktemp("target") / "model"
-    save_target(module, tokenizer, small, out, tokens_seen=SEQ_LEN * 8, data_cfg=DataConfig(seq_len=SEQ_LEN))
+    save_target(module, tokenizer, small, out, tokens_seen=SEQ_LEN * 8, wall_time_s=60, data_cfg=DataConfig(seq_len=SEQ_LEN))
     facts = json.loads((out / "training.json").read_text())
     facts["corpus"]["content_hash"] = corpus.corpus_hash(stdlib)
     facts["choices"] = CHOICES

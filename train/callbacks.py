@@ -114,6 +114,29 @@ def set_random_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class WallClock(L.Callback):
+    """Training wall time across resumes: saved in each checkpoint (as "wall_time", seconds), added
+    back when a run resumes from it, so training.json states the whole run's time."""
+
+    def __init__(self):
+        self.before, self.started = 0.0, time.time()
+
+    @property
+    def seconds(self) -> float:
+        return self.before + time.time() - self.started
+
+    def on_save_checkpoint(self, trainer, module, checkpoint: dict) -> None:
+        checkpoint["wall_time"] = self.seconds
+
+    def on_load_checkpoint(self, trainer, module, checkpoint: dict) -> None:
+        self.before, self.started = checkpoint.get("wall_time", 0.0), time.time()
+
+
+def wall_time(trainer: L.Trainer) -> float:
+    """Seconds this run (with the runs it resumed) has trained: make_trainer gives every trainer a WallClock."""
+    return next(c for c in trainer.callbacks if isinstance(c, WallClock)).seconds
+
+
 class ProgressLines(L.Callback):
     def __init__(self, every_n_steps: int):
         self.every_n_steps, self.since = every_n_steps, None

@@ -8,7 +8,7 @@ from speculators import draft_vocab, export
 from speculators.config import UserError, require, to_dataclass
 from speculators.families import family
 from speculators.target import FrozenTarget
-from train.callbacks import ServeEvalCallback
+from train.callbacks import ServeEvalCallback, wall_time
 from train.data import TextDataModule, chat_template, heldout_conversations, load_examples
 from train.hidden_cache import open_cache
 from train.module import DrafterModule, plain_copy
@@ -77,11 +77,12 @@ def continue_from(drafter, path: str, target: FrozenTarget) -> None:
 
 def training_record(recipe: DrafterRecipe, trainer, target: FrozenTarget) -> dict:
     """What the drafter was trained on, so comparisons can state their budgets; a run that continued
-    another export (init_from) counts that export's steps and tokens too."""
+    another export (init_from) counts that export's steps, tokens and wall time too."""
     sequences = recipe.data.batch_size * recipe.trainer.accumulate_grad_batches * trainer.world_size
     earlier = (export.training_record(Path(recipe.init_from)) or {}) if recipe.init_from else {}
     record = {"family": recipe.drafter.get("family"), "steps": trainer.global_step + earlier.get("steps", 0),
               "tokens_seen": trainer.global_step * sequences * recipe.data.seq_len + earlier.get("tokens_seen", 0),
+              "wall_time_s": round(wall_time(trainer)) + earlier.get("wall_time_s", 0),
               "target": recipe.target.name, "target_fingerprint": target.fingerprint(), "quant": asdict(recipe.quant),
               "seed": recipe.seed}
     if recipe.init_from:

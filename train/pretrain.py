@@ -9,7 +9,6 @@ then measures the held-out loss and writes the model card.
 import copy
 import json
 import math
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from speculators import corpus
 from speculators.config import UserError, require
+from train.callbacks import wall_time
 from train.data import TextDataModule
 from train.optim import OptimConfig, check_finite, configure
 from train.recipes import ModelConfig, PretrainRecipe, UnlikelihoodConfig
@@ -99,8 +99,6 @@ class CausalLMModule(L.LightningModule):
         self.model, self.optim, self.max_steps = model, optim, max_steps
         self.unlikelihood = unlikelihood or UnlikelihoodConfig()
         self.register_buffer("byte_lengths", byte_lengths.float(), persistent=False)
-        self.wall_time_before = 0.0  # seconds spent in earlier (resumed) runs
-        self.started = time.time()
 
     def training_step(self, batch, _):
         every = self.unlikelihood.every_n_steps
@@ -132,14 +130,6 @@ class CausalLMModule(L.LightningModule):
     def configure_optimizers(self):
         return configure(list(self.model.parameters()), self.optim, self.max_steps)
 
-    def wall_time(self) -> float:
-        return self.wall_time_before + time.time() - self.started
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["wall_time"] = self.wall_time()
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.wall_time_before, self.started = checkpoint.get("wall_time", 0.0), time.time()
 
 
 def prepare_tokenizer(run_dir: Path, files, vocab_size: int, init_from: str | None) -> PreTrainedTokenizerFast:
@@ -176,7 +166,7 @@ def earlier_training(init_from: str | None) -> dict:
     return json.loads((Path(init_from) / "training.json").read_text())
 
 
-def save_target(module: CausalLMModule, tokenizer, files, out: Path, tokens_seen: int, data_cfg,
+def save_target(module: CausalLMModule, tokenizer, files, out: Path, tokens_seen: int, wall_time_s: float, data_cfg,
                 earlier: dict | None = None, how: dict | None = None) -> None:
     """save_pretrained in bf16 (half the bytes on disk; load it in fp32 on CPUs), plus training facts."""
     model = module.model
@@ -195,7 +185,7 @@ def save_target(module: CausalLMModule, tokenizer, files, out: Path, tokens_seen
         },
         "seq_len": data_cfg.seq_len,
         "tokens_seen": tokens_seen + earlier.get("tokens_seen", 0) if earlier else tokens_seen,
-        "wall_time_s": round(module.wall_time()) + (earlier.get("wall_time_s", 0) if earlier else 0),
+        "wall_time_s": round(wall_time_s) + (earlier.get("wall_time_s", 0) if earlier else 0),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     facts.update(how or {})  # how this run trained beyond next-token loss (unlikelihood steps)
@@ -226,6 +216,6 @@ def run_pretrain(recipe: PretrainRecipe, run_dir: Path) -> None:
                    * recipe.data.seq_len)  # next-token steps only: an unlikelihood step reads a prefix, not a row
     how = {"unlikelihood": {**asdict(recipe.unlikelihood), "steps": unlikelihood_steps,
                             "next_token_steps": steps - unlikelihood_steps}} if unlikelihood_steps else {}
-    save_target(module, tokenizer, files, run_dir / "model", tokens_seen, recipe.data, earlier_training(recipe.init_from),
-                how)
+    save_target(module, tokenizer, files, run_dir / "model", tokens_seen, wall_time(trainer), recipe.data,
+                earlier_training(recipe.init_from), how)
     print(f"target saved to {run_dir / 'model'}; measure it with: python -m train.target_card {run_dir / 'model'}")

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from speculators.config import UserError
 from speculators.tracking import LoggerConfig, wandb_mode
-from train.callbacks import CheckpointOnSignal, ProgressLines, TrainingRandomState
+from train.callbacks import CheckpointOnSignal, ProgressLines, TrainingRandomState, WallClock
 from train.recipes import TrainerConfig, checkpoint_to_resume
 
 
@@ -77,7 +77,7 @@ def make_trainer(cfg: TrainerConfig, logger, run_dir: Path, extra_callbacks=(), 
     if monitor:  # saved when validation ends, so best.ckpt is scored by its own step's validation, not the one before
         checkpoints.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", monitor=monitor, save_top_k=1, filename="best",
                                            save_on_train_epoch_end=False, enable_version_counter=False))
-    callbacks = [*checkpoints, CheckpointOnSignal(), TrainingRandomState(), *extra_callbacks]
+    callbacks = [*checkpoints, CheckpointOnSignal(), TrainingRandomState(), WallClock(), *extra_callbacks]
     if logger:
         callbacks.append(LearningRateMonitor("step"))
     bar = cfg.progress_bar and sys.stderr.isatty()
