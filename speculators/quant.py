@@ -67,6 +67,7 @@ import kernels
 from kernels.quant_matmul import ACT_BLOCK, dequantize, pack_int4, round_activation_blocks, round_to_nearest_int4
 from speculators import fp4, gguf_weights, gptq
 from speculators.config import UserError, one_of, require
+from speculators.layers import DecodingLinear
 
 QUANT_SCHEMES = ("none", "int8", "int4", "gptq_int4", "fp8", "w8a8", "gguf", "mxfp4", "nvfp4")
 CPU_MATMULS = ("kernel", "dequantize", "packed")
@@ -301,6 +302,54 @@ class DynamicInt8Linear(WeightOnlyInt8Linear):
 
     def cpu_op(self) -> str:
         return "quantized.linear_dynamic (fbgemm)" if self.fbgemm is not None else "rounded activations + dequantize + matmul"
+
+
+# Layers whose every stored tensor holds one row per output channel (nn.Linear; our int8 and int4 formats).
+STACKABLE = (nn.Linear, DecodingLinear, WeightOnlyInt8Linear, WeightOnlyInt4Linear)
+
+
+def stack_linears(linears: list[nn.Module]) -> nn.Module | None:
+    """One layer computing torch.cat([linear(x) for linear in linears], -1) in one matmul (Q, K and V;
+    gate and up): decoding calls it once instead of each. Its rows are theirs, so each output channel is
+    computed from the same weights (to the last bit in the CPU kernels, which compute every channel alone).
+    The linears' tensors become views of the stacked ones: no memory is added and their parameters stay
+    the same objects. None where the layers differ in kind or settings, or a layout mixes rows (PyTorch's
+    packed operators, fbgemm)."""
+    first = linears[0]
+    settings = [{k: v for k, v in vars(linear).items() if not k.startswith("_") and k != "out_features"}
+                for linear in linears]
+    names = [*first._parameters, *first._buffers]
+    if (type(first) not in STACKABLE or getattr(first, "cpu_packed", False) or first._modules
+            or any(type(linear) is not type(first) or s != settings[0] for linear, s in zip(linears, settings))
+            or any({_kind(getattr(linear, name), linear) for linear in linears} not in ({"rows"}, {"absent"})
+                   for name in names)):
+        return None
+    stacked = type(first).__new__(type(first))
+    nn.Module.__init__(stacked)
+    stacked.__dict__.update(settings[0], out_features=sum(linear.out_features for linear in linears))
+    for name in names:
+        parts = [getattr(linear, name) for linear in linears]
+        whole = None if parts[0] is None else torch.cat([part.detach() for part in parts])
+        if name in first._parameters:
+            stacked.register_parameter(name, None if whole is None else nn.Parameter(whole, requires_grad=False))
+        else:
+            stacked.register_buffer(name, whole)
+        start = 0
+        for linear, part in zip(linears, parts if whole is not None else []):
+            view = whole[start : start + len(part)]
+            if name in linear._parameters:
+                linear._parameters[name].data = view
+            else:
+                linear._buffers[name] = view
+            start += len(part)
+    return stacked
+
+
+def _kind(tensor: torch.Tensor | None, linear: nn.Module) -> str:
+    """rows: one row per output channel; absent (a bias may be None); other: not stackable."""
+    if tensor is None:
+        return "absent"
+    return "rows" if tensor.dim() >= 1 and len(tensor) == linear.out_features else "other"
 
 
 def cpu_path(kernel: bool, int8_activations: bool = False) -> str:

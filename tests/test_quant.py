@@ -67,6 +67,7 @@ from speculators.quant import (
     quantize,
     round_activations,
     round_to_nearest_int4,
+    stack_linears,
     weight_bytes,
 )
 from speculators.target import FrozenTarget, TargetConfig
@@ -189,6 +190,40 @@ def test_quant_matmul_follows_the_dispatch_rule():
         assert torch.equal(quant_matmul(x, *stored_int4, cpu_kernel=False), expected)
     assert not cpu_kernel_applies(torch.randn(1, 72), None)  # K not a multiple of 16
     assert not cpu_kernel_applies(torch.randn(1, 64), 8)  # nor the group size
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp32_kernel", "int8", "int4"])
+def test_stacked_linears_compute_each_output_bit_for_bit_and_share_the_weights(scheme):
+    """Q, K and V (gate and up) stacked into one matmul: the same bits per output channel, in the kernel's
+    rows (decoding, verification) and beyond them (prefill), with no copy of the weights left behind."""
+    layers = [linear(N, 64, seed=n) for n, N in enumerate((64, 32, 32))]
+    if scheme in ("none", "fp32_kernel"):
+        linears = layers if scheme == "none" else [decoding_linears(layer) for layer in layers]
+    else:
+        linears = [make(scheme, layer, 32) for layer in layers]
+    kernel_rows = dense_kernel_max_rows() if scheme == "fp32_kernel" else CPU_KERNEL_MAX_ROWS
+    alone = [linear.__class__.__name__ for linear in linears]
+    stacked = stack_linears(linears)
+    for rows in (1, 6, 40):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        expected = torch.cat([linear(x) for linear in linears], -1)
+        if scheme != "none" and rows <= kernel_rows:  # our kernels; BLAS may block another N otherwise
+            assert torch.equal(stacked(x), expected)
+        torch.testing.assert_close(stacked(x), expected)
+    assert [linear.__class__.__name__ for linear in linears] == alone
+    for name, whole in [*stacked.named_parameters(), *stacked.named_buffers()]:
+        assert all(getattr(linear, name).untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+                   for linear in linears), name
+
+
+def test_linears_that_cannot_stack_are_left_alone():
+    a, b = linear(32, 64), linear(32, 64, bias=False)
+    assert stack_linears([a, b]) is None  # one with a bias, one without
+    assert stack_linears([a, make("int8", linear(32, 64), 32)]) is None  # two kinds
+    assert stack_linears([make("int4", a, 32), make("int4", linear(32, 64), 16)]) is None  # two group sizes
+    assert stack_linears([make("w8a8", a, 32), make("w8a8", linear(32, 64), 32)]) is None  # fbgemm's packing
+    packed = [make("int4", layer, 32, cpu_matmul="packed") for layer in (a, linear(32, 64))]
+    assert stack_linears(packed) is None or not packed[0].cpu_packed  # PyTorch's int4 layout mixes rows
 
 
 # --- 2. quantize-dequantize error --------------------------------------------------------------

@@ -3,6 +3,7 @@
 import warnings
 
 import torch
+from conftest import LAYER_IDS
 
 from inference.sessions import HFSession, StaticSession, open_session
 
@@ -27,3 +28,18 @@ def test_static_session_matches_transformers(target):
 
 def test_open_session_picks_the_static_path_for_llama_family(target):
     assert isinstance(open_session(target, 16), StaticSession)
+
+
+def test_stacked_projections_follow_weights_that_move(target_dirs):
+    """The session stacks Q, K, V and gate, up once per layer (inference.sessions.layer_stacks); weights
+    given new storage afterwards (a dtype change, a new value) are stacked again, never served stale."""
+    from speculators.target import FrozenTarget, TargetConfig
+
+    target = FrozenTarget.load(TargetConfig(name_or_path=str(target_dirs["llama"]), layer_ids=LAYER_IDS))
+    tokens = torch.randint(0, target.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    StaticSession(target, 16)(tokens)
+    for layer in target.model.model.layers:
+        layer.self_attn.k_proj.weight.data = layer.self_attn.k_proj.weight.data * 2
+        layer.mlp.up_proj.weight.data = -layer.mlp.up_proj.weight.data
+    torch.testing.assert_close(StaticSession(target, 16)(tokens).logits, HFSession(target)(tokens).logits,
+                               atol=1e-5, rtol=1e-5)
