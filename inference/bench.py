@@ -1,6 +1,6 @@
 """Decode-speed benchmark: our speculative decoding against target-only decoding and peers.
 
-    python -m inference.bench drafter=<export dir> [assistant=<small HF model dir>|null] [eval=stdlib|mtbench|...]
+    python -m inference.bench drafter=<export dir> [quant=gguf|int4|...] [assistant=<small HF model dir>|null] [eval=stdlib|mtbench|...]
         [repeats=3] [out=DIR]
 
 Methods, all greedy, on the same prompts (eval=, inference/evalsets.py), interleaved prompt by prompt within each
@@ -34,14 +34,17 @@ from inference import drafting, evalsets, rounds
 from inference.drafting import speculative_tokens
 from inference.evalsets import EvalConfig
 from speculators.config import at_least, exit_on_user_error, register_group, require, run_cli, to_dataclass
+from speculators.quant import QuantConfig
 
 register_group("eval")  # conf/eval/: the eval sets every inference command serves
+register_group("quant")  # conf/quant/: the target served as trained against, e.g. quant=gguf
 
 
 @dataclass
 class BenchConfig:
     drafter: str = "???"
     target: str | None = None
+    quant: QuantConfig = field(default_factory=QuantConfig)  # the target as served: quant=gguf, its file's own 4-bit blocks
     assistant: str | None = None  # a small causal LM with the target's tokenizer, for assisted generation; null: skip
     eval: EvalConfig = field(default_factory=EvalConfig)  # the prompts: eval=stdlib | mtbench | sharegpt | file
     max_new_tokens: int = 64
@@ -153,7 +156,7 @@ def main(cfg: DictConfig) -> None:
     from inference import report
 
     cfg = to_dataclass(BenchConfig, cfg)
-    drafter, target = report.load_pair(cfg.drafter, cfg.target)
+    drafter, target = report.load_pair(cfg.drafter, cfg.target, cfg.quant)
     assistant = load_assistant(cfg.assistant, target)
     prompts = [p.ids for p in evalsets.prompts(cfg.eval, target, cfg.max_new_tokens)]
     rows = run(target, drafter.eval(), assistant, prompts, cfg)

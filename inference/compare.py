@@ -1,6 +1,6 @@
 """Compare drafters: several exports, one target, the same prompts; one table, one plot.
 
-    python -m inference.compare drafters=[runs/a/export,runs/b/export,...] [modes=[chain,tree]] [eval=...] [out=DIR]
+    python -m inference.compare drafters=[runs/a/export,runs/b/export,...] [quant=gguf] [modes=[chain,tree]] [eval=...] [out=DIR]
 
 Trains nothing. Every drafter (and each drafting mode it has, among `modes`) decodes the
 same prompts (eval=, inference/evalsets.py) greedily with K = num_speculative_tokens, or each
@@ -26,14 +26,17 @@ from inference import evalsets, plots, rounds
 from inference.drafting import DraftingConfig, speculative_tokens
 from inference.evalsets import EvalConfig
 from speculators.config import UserError, at_least, exit_on_user_error, register_group, require, run_cli, to_dataclass
+from speculators.quant import QuantConfig
 
 register_group("eval")  # conf/eval/: the eval sets every inference command serves
+register_group("quant")  # conf/quant/: the target served as trained against, e.g. quant=gguf
 
 
 @dataclass
 class CompareConfig:
     drafters: list[str] = field(default_factory=list)  # export folders, all for the same target
     target: str | None = None  # None: the verifier the first drafter's config names
+    quant: QuantConfig = field(default_factory=QuantConfig)  # the target as served: quant=gguf, its file's own 4-bit blocks
     modes: list[str] = field(default_factory=lambda: ["chain"])  # drafting modes; each drafter runs those it has
     eval: EvalConfig = field(default_factory=EvalConfig)  # the prompts: eval=stdlib | mtbench | sharegpt | file
     max_new_tokens: int = 64
@@ -193,7 +196,7 @@ def main(cfg: DictConfig) -> None:
     from speculators import export
 
     cfg = to_dataclass(CompareConfig, cfg)
-    first, target = report.load_pair(cfg.drafters[0], cfg.target)
+    first, target = report.load_pair(cfg.drafters[0], cfg.target, cfg.quant)
     drafters = [(cfg.drafters[0], first, export.training_record(cfg.drafters[0]))]
     for path in cfg.drafters[1:]:
         drafter, _ = export.load(Path(path))

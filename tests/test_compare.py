@@ -110,11 +110,12 @@ def test_config_file_mirrors_the_dataclass():
 def test_cli_end_to_end(llama_dir, exports, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
     result = subprocess.run([sys.executable, "-m", "inference.compare", f"drafters=[{exports[0]},{exports[1]}]",
-                             f"target={llama_dir}", "eval.num_prompts=1", "eval.prompt_lines=2", "max_new_tokens=6",
-                             "num_speculative_tokens=2", "repeats=1", f"out={tmp_path}"],
+                             f"target={llama_dir}", "quant=int8", "eval.num_prompts=1", "eval.prompt_lines=2",
+                             "max_new_tokens=6", "num_speculative_tokens=2", "repeats=1", f"out={tmp_path}"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "compare.json").read_text())["rows"]
+    assert json.loads((tmp_path / "compare.json").read_text())["config"]["quant"]["scheme"] == "int8"  # the target as served
     assert [r["method"] for r in rows] == ["target_only", "eagle3-seed0 (chain)", "eagle3-seed1 (chain)"]
     missing = subprocess.run([sys.executable, "-m", "inference.compare", f"drafters=[{tmp_path / 'nope'}]"],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
