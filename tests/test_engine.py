@@ -587,3 +587,19 @@ def test_chain_min_prob_is_refused_where_it_does_not_apply(llama_target, make_dr
     assert "\n" not in str(error.value)
     with pytest.raises(UserError, match="use batch_size=1"):
         engine.generate_batch(llama_target, drafter, [prompt, prompt], 8, 3, drafting=DraftingConfig(chain_min_prob=0.5))
+
+
+def test_k_beyond_the_trained_depth_is_served_and_said(llama_target, make_drafter, text_batch, capsys):
+    """num_speculative_tokens above the depth the drafter was trained for: one line says so, decoding goes on
+    at that K, and the output is still the target's own."""
+    from inference.drafting import speculative_tokens
+
+    drafter = make_drafter(llama_target).eval()  # trained for 3 draft tokens
+    assert speculative_tokens(drafter, None) == 3 and capsys.readouterr().out == ""
+    assert speculative_tokens(drafter, 5) == 5
+    said = capsys.readouterr().out.strip().splitlines()
+    assert len(said) == 1 and "beyond the 3 draft tokens this drafter was trained for" in said[0]
+    prompt = text_batch[0, :12].tolist()
+    deeper = engine.generate(llama_target, drafter, prompt, 16, k=5)
+    assert deeper.tokens == engine.generate(llama_target, None, prompt, 16, k=0).tokens
+    assert deeper.stats.num_draft_tokens == 5 * deeper.stats.num_drafts
