@@ -334,8 +334,10 @@ def stack_linears(linears: list[nn.Module]) -> nn.Module | None:
             stacked.register_parameter(name, None if whole is None else nn.Parameter(whole, requires_grad=False))
         else:
             stacked.register_buffer(name, whole)
+        if whole is None:
+            continue
         start = 0
-        for linear, part in zip(linears, parts if whole is not None else []):
+        for linear, part in zip(linears, parts):
             view = whole[start : start + len(part)]
             if name in linear._parameters:
                 linear._parameters[name].data = view
