@@ -1,5 +1,5 @@
 """`python -m inference drafter=<export dir> [target=...] [quant=int8|int4|gguf|...] [eval=mtbench|sharegpt|stdlib]
-[eval.path=prompts.jsonl] [max_new_tokens=N] [temperature=T] [num_speculative_tokens=K] [out=DIR]`: speculative
+[eval.path=prompts.jsonl] [max_new_tokens=N] [temperature=T] [k=K] [out=DIR]`: speculative
 decoding and its report."""
 
 from pathlib import Path

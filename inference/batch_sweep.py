@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from inference import evalsets, plots, report
-from inference.drafting import speculative_tokens
+from inference.drafting import serving_k
 from kernels.provenance import git_revision, machine
 from speculators.config import at_least, exit_on_user_error, require, run_cli, to_dataclass
 
@@ -40,17 +40,17 @@ class BatchSweepConfig(report.InferenceConfig):
 
 
 def sweep(target, drafter, prompts: list[evalsets.Prompt], cfg: BatchSweepConfig) -> dict:
-    k = speculative_tokens(drafter, cfg.num_speculative_tokens)
+    k = serving_k(drafter, cfg.k)
     runs = {size: [] for size in cfg.batch_sizes}
     for repeat in range(cfg.repeats):
         for size in cfg.batch_sizes:
-            measured = report.measure(target, drafter, prompts, replace(cfg, batch_size=size, num_speculative_tokens=k))
+            measured = report.measure(target, drafter, prompts, replace(cfg, batch_size=size, k=k))
             runs[size].append(measured)
             print(f"repeat {repeat + 1}/{cfg.repeats}, batch size {size}: {measured['tokens_per_second']:.1f} tokens/s "
                   f"speculative, {measured['baseline_tokens_per_second']:.1f} target-only", flush=True)
     rows = [row(size, measured) for size, measured in runs.items()]
     return {"rows": rows, "crossover_batch_size": crossover(rows),
-            "num_prompts": len(prompts), "num_speculative_tokens": k, "config": asdict(cfg),
+            "num_prompts": len(prompts), "k": k, "config": asdict(cfg),
             "target": target.name_or_path, "git_revision": git_revision(), "machine": machine()}
 
 
@@ -84,7 +84,7 @@ def row(size: int, measured: list[dict]) -> dict:
 
 def markdown(result: dict) -> str:
     lines = [f"{result['num_prompts']} prompts, {result['config']['max_new_tokens']} new tokens each, greedy, "
-             f"{result['num_speculative_tokens']}-token chains; medians of {result['config']['repeats']} interleaved "
+             f"{result['k']}-token chains; medians of {result['config']['repeats']} interleaved "
              f"repeats; torch {result['machine']['torch']}, {result['machine']['torch_threads']} thread(s).", "",
              "| batch | tokens/s target-only | tokens/s speculative | speed-up | tau | per-token ms p50 / p95 / p99 "
              "target-only | speculative |", "|--:|--:|--:|--:|--:|--:|--:|"]

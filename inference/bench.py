@@ -7,7 +7,7 @@ Methods, all greedy, on the same prompts (eval=, inference/evalsets.py), interle
 repeat so every method sees the same machine load; figures are medians over repeats:
 - target_only: our decode loop with K=0 (the speed-up baseline);
 - speculative_chain / speculative_tree: our speculative decoding with the given drafter,
-  K-token chains and (for drafters that have one) tree drafts; K = num_speculative_tokens, or
+  K-token chains and (for drafters that have one) tree drafts; K = k, or
   the drafter's own (the depth it was trained for) when null;
 - hf_greedy: transformers' generate (for reference: how fast the stock loop is);
 - speculative_chain_min_prob<p>: chains of K that stop before a draft the drafter's top probability is below p
@@ -31,7 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from inference import drafting, evalsets, rounds
-from inference.drafting import speculative_tokens
+from inference.drafting import serving_k
 from inference.evalsets import EvalConfig
 from speculators.config import at_least, exit_on_user_error, register_group, require, run_cli, to_dataclass
 from speculators.quant import QuantConfig
@@ -48,7 +48,7 @@ class BenchConfig:
     assistant: str | None = None  # a small causal LM with the target's tokenizer, for assisted generation; null: skip
     eval: EvalConfig = field(default_factory=EvalConfig)  # the prompts: eval=stdlib | mtbench | sharegpt | file
     max_new_tokens: int = 64
-    num_speculative_tokens: int | None = None  # K; None: the drafter's own
+    k: int | None = None  # K; None: the drafter's own
     modes: list[str] | None = None  # drafting modes to run (chain, tree); None: every mode the drafter has
     chain_lengths: list[int] = field(default_factory=list)  # more chain lengths K to time beside the drafter's own
     chain_min_probs: list[float] = field(default_factory=list)  # chains of K ending where the drafter is unsure
@@ -62,8 +62,8 @@ class BenchConfig:
     out: str | None = None
 
     def __post_init__(self):
-        require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 1, "num_speculative_tokens",
-                self.num_speculative_tokens, ">= 1, or null for the drafter's own")
+        require(self.k is None or self.k >= 1, "k",
+                self.k, ">= 1, or null for the drafter's own")
         at_least(1, max_new_tokens=self.max_new_tokens, prompt_lookup_tokens=self.prompt_lookup_tokens,
                  prompt_lookup_max=self.prompt_lookup_max, repeats=self.repeats)
         self.lookup()  # validates the lookup settings
@@ -80,7 +80,7 @@ class BenchConfig:
 
 
 def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
-    """name -> function(prompt ids) -> generated ids (cfg.num_speculative_tokens set: run() resolves it)."""
+    """name -> function(prompt ids) -> generated ids (cfg.k set: run() resolves it)."""
     from inference.engine import generate
 
     hf = dict(do_sample=False, max_new_tokens=cfg.max_new_tokens,
@@ -96,10 +96,10 @@ def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
 
     runs = {
         "target_only": lambda ids: generate(target, None, ids, cfg.max_new_tokens, 0).tokens,
-        **{f"speculative_{mode}": speculative(mode, cfg.num_speculative_tokens)
+        **{f"speculative_{mode}": speculative(mode, cfg.k)
            for mode in cfg.modes or drafting.modes(drafter)},
         **{f"speculative_chain_k{k}": speculative("chain", k) for k in cfg.chain_lengths},
-        **{f"speculative_chain_min_prob{p}": speculative("chain", cfg.num_speculative_tokens,
+        **{f"speculative_chain_min_prob{p}": speculative("chain", cfg.k,
                                                           drafting.DraftingConfig(chain_min_prob=p))
            for p in cfg.chain_min_probs},
         **{f"speculative_chain_k{k}_lookup": speculative("chain", k, cfg.lookup()) for k in cfg.lookup_chain_lengths},
@@ -114,20 +114,20 @@ def methods(target, drafter, assistant, cfg: BenchConfig) -> dict:
 
 def run(target, drafter, assistant, prompts: list[list[int]], cfg: BenchConfig) -> dict:
     """name -> figures; the speculative methods also say the K they drafted (null in cfg: the drafter's own)."""
-    cfg = replace(cfg, num_speculative_tokens=speculative_tokens(drafter, cfg.num_speculative_tokens))
+    cfg = replace(cfg, k=serving_k(drafter, cfg.k))
     timed = rounds.interleaved(methods(target, drafter, assistant, cfg), prompts, cfg.repeats)
     base = timed["target_only"].median_tokens_per_s()
     return {name: {"tokens_per_second": t.median_tokens_per_s(), "seconds": t.seconds, "tokens": t.tokens,
                    "speedup": t.median_tokens_per_s() / base,
                    # every method here is greedy: each must reproduce target-only greedy output
                    "outputs_match_target_only": t.results == timed["target_only"].results}
-            | ({"num_speculative_tokens": chain_length(name, cfg)} if name.startswith("speculative_") else {})
+            | ({"k": chain_length(name, cfg)} if name.startswith("speculative_") else {})
             for name, t in timed.items()}
 
 
 def chain_length(method: str, cfg: BenchConfig) -> int:
     """K of a speculative method: speculative_chain_k<K>[_lookup] or the run's own."""
-    return int(method.rsplit("_k", 1)[1].removesuffix("_lookup")) if "_k" in method else cfg.num_speculative_tokens
+    return int(method.rsplit("_k", 1)[1].removesuffix("_lookup")) if "_k" in method else cfg.k
 
 
 def load_assistant(path: str | None, target):

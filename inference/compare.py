@@ -3,7 +3,7 @@
     python -m inference.compare drafters=[runs/a/export,runs/b/export,...] [quant=gguf] [modes=[chain,tree]] [eval=...] [out=DIR]
 
 Trains nothing. Every drafter (and each drafting mode it has, among `modes`) decodes the
-same prompts (eval=, inference/evalsets.py) greedily with K = num_speculative_tokens, or each
+same prompts (eval=, inference/evalsets.py) greedily with K = k, or each
 drafter's own K (the depth it was trained for) when that is null, interleaved with target-only
 decoding prompt by prompt, for `repeats` rounds; tokens/s is the median over rounds. Per row:
 tau and the acceptance rate per position (vLLM's definitions), tokens/s, speed-up, where the
@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from inference import evalsets, plots, rounds
-from inference.drafting import DraftingConfig, speculative_tokens
+from inference.drafting import DraftingConfig, serving_k
 from inference.evalsets import EvalConfig
 from speculators.config import UserError, at_least, exit_on_user_error, register_group, require, run_cli, to_dataclass
 from speculators.quant import QuantConfig
@@ -40,7 +40,7 @@ class CompareConfig:
     modes: list[str] = field(default_factory=lambda: ["chain"])  # drafting modes; each drafter runs those it has
     eval: EvalConfig = field(default_factory=EvalConfig)  # the prompts: eval=stdlib | mtbench | sharegpt | file
     max_new_tokens: int = 64
-    num_speculative_tokens: int | None = None  # K for every drafter; None: each drafter's own
+    k: int | None = None  # K for every drafter; None: each drafter's own
     tree_top_k: int = 4  # as in inference.drafting.DraftingConfig
     tree_total_tokens: int = 16
     repeats: int = 3
@@ -51,8 +51,8 @@ class CompareConfig:
             raise UserError("drafters=[...]: give at least one export folder")
         for mode in self.modes:
             DraftingConfig(mode, self.tree_top_k, self.tree_total_tokens)  # validates each
-        require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 1, "num_speculative_tokens",
-                self.num_speculative_tokens, ">= 1, or null for each drafter's own")
+        require(self.k is None or self.k >= 1, "k",
+                self.k, ">= 1, or null for each drafter's own")
         at_least(1, max_new_tokens=self.max_new_tokens, repeats=self.repeats)
 
 
@@ -78,7 +78,7 @@ def methods(drafters: list[tuple[str, object, dict | None]], cfg: CompareConfig)
              for path, _, training in drafters]
     for (path, drafter, training), name in zip(drafters, names):
         label = name if names.count(name) == 1 else f"{name} {path}"  # two of a family: say which is which
-        k = speculative_tokens(drafter, cfg.num_speculative_tokens)
+        k = serving_k(drafter, cfg.k)
         for mode in cfg.modes:
             if mode in modes(drafter):
                 rows.append(Method(f"{label} ({mode})", drafter, DraftingConfig(mode, cfg.tree_top_k,
@@ -132,7 +132,7 @@ def summary(rows: list[Method]) -> list[dict]:
         table.append({
             "method": row.name,
             "drafting": row.drafting.mode if row.drafter is not None else None,
-            "num_speculative_tokens": row.k if row.drafter is not None else None,
+            "k": row.k if row.drafter is not None else None,
             "acceptance_length": row.stats.acceptance_length if row.drafter is not None else None,
             "acceptance_length_stderr": tau_standard_error(row.stats.accepted_at, row.stats.num_drafts)
             if row.drafter is not None else None,

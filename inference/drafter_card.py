@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 
 from inference import bench, evalsets, llamacpp_bench, report
 from inference.compare import vocabulary_coverage
-from inference.drafting import DraftingConfig, speculative_tokens
+from inference.drafting import DraftingConfig, serving_k
 from inference.evalsets import EvalConfig
 from speculators import export
 from speculators.config import at_least, exit_on_user_error, require, run_cli, to_dataclass
@@ -104,7 +104,7 @@ def speed(target, drafter, cfg: DrafterCardConfig) -> dict:
     drafter is unsure (cfg.chain_min_probs) and chains behind n-gram lookup."""
     eval_cfg = EvalConfig("mtbench", num_prompts=cfg.speed_prompts, turns=1)
     prompts = [p.ids for p in evalsets.prompts(eval_cfg, target, cfg.max_new_tokens)]
-    shorter = [k for k in cfg.chain_lengths if k != drafter.num_speculative_tokens]
+    shorter = [k for k in cfg.chain_lengths if k != drafter.depth]
     bench_cfg = bench.BenchConfig(drafter=cfg.drafter, eval=eval_cfg, max_new_tokens=cfg.max_new_tokens,
                                   repeats=cfg.repeats, chain_lengths=shorter,
                                   lookup_chain_lengths=cfg.lookup_chain_lengths, chain_min_probs=cfg.chain_min_probs)
@@ -137,7 +137,7 @@ def measure(cfg: DrafterCardConfig) -> dict:
     record = export.training_record(Path(cfg.drafter)) or {}
     served = QuantConfig(**record.get("quant", {}))
     drafter, packed = report.load_pair(cfg.drafter, quant=served)
-    k = speculative_tokens(drafter, None)
+    k = serving_k(drafter, None)
     card = {"drafter": cfg.drafter, "target": packed.name_or_path, "served_quant": asdict(served), "k": k,
             "training": record, "config": asdict(cfg), "lookup": asdict(lookup(cfg)), "acceptance": {}}
     sets = acceptance_sets(cfg)
@@ -232,8 +232,8 @@ def fastest_setting(rows: dict, lookup: dict) -> tuple[str, str, float]:
     (`speculative_chain_min_prob<p>`) or behind n-gram lookup (`speculative_chain_k<N>_lookup`, with the n-gram
     settings of `lookup`, the card's lookup DraftingConfig)."""
     best = max((m for m in rows if m.startswith("speculative_chain")), key=lambda m: rows[m]["speedup"])
-    k = rows[best]["num_speculative_tokens"]
-    overrides, setting = f"num_speculative_tokens={k}", f"K={k}"
+    k = rows[best]["k"]
+    overrides, setting = f"k={k}", f"K={k}"
     if best.endswith("_lookup"):
         overrides += "".join(f" drafting.{key}={lookup[key]}"
                              for key in ("prompt_lookup_max", "prompt_lookup_min", "prompt_lookup_tokens"))

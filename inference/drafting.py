@@ -240,14 +240,19 @@ def modes(drafter) -> list[str]:
     return sorted(mode for (family_kind, mode) in PROPOSERS if family_kind == kind)
 
 
-def speculative_tokens(drafter, k: int | None) -> int:
-    """K: the drafter's trained depth unless the user chose one (said when beyond what it was trained for).
-    Every inference command serves a drafter at its own K when num_speculative_tokens is null."""
-    trained = drafter.num_speculative_tokens
-    if k is not None and k > trained:
-        print(f"num_speculative_tokens={k} is beyond the {trained} draft tokens this drafter was trained for: "
-              f"positions past {trained} are served untrained")
-    return trained if k is None else k
+def serving_k(drafter, k: int | None) -> int:
+    """The K every command serves: the user's, else the drafter's own (drafter.k: the fastest its report measured,
+    else its depth). A K above the trained depth is served and said in one line where the family can draft it,
+    refused in one line where it cannot (Medusa's heads, DFlash's block)."""
+    if k is None:
+        return drafter.k
+    if k > drafter.depth:
+        if not drafter.drafts_beyond_depth:
+            raise UserError(f"k={k}: this {type(drafter).__name__} drafts at most {drafter.depth} tokens (its "
+                            f"trained depth)")
+        print(f"k={k} is beyond the {drafter.depth} draft tokens this drafter was trained for: "
+              f"positions past {drafter.depth} are served untrained")
+    return k
 
 
 def make_proposer(drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
@@ -352,9 +357,9 @@ class MedusaChainProposer:
     head's tempered softmax, q over the target vocabulary (Medusa's is the target's)."""
 
     def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
-        if k > drafter.num_speculative_tokens:
-            raise UserError(f"num_speculative_tokens={k} is not valid: a Medusa drafter with "
-                            f"{drafter.num_speculative_tokens} heads drafts at most {drafter.num_speculative_tokens}")
+        if k > drafter.depth:
+            raise UserError(f"k={k} is not valid: a Medusa drafter with "
+                            f"{drafter.depth} heads drafts at most {drafter.depth}")
         self.drafter, self.k = drafter, k
 
     def prefill(self, prompt: list[int], token: int, target_out: TargetOutput) -> None:

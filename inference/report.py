@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from inference import plots
-from inference.drafting import DraftingConfig, speculative_tokens
+from inference.drafting import DraftingConfig, serving_k
 from inference.engine import Stats, check_pair, generate_batch
 from inference.evalsets import EvalConfig, Prompt
 from kernels.provenance import git_revision, machine
@@ -36,7 +36,7 @@ class InferenceConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)  # the prompts: eval=stdlib | mtbench | sharegpt | file
     max_new_tokens: int = 64
     temperature: float = 0.0
-    num_speculative_tokens: int | None = None  # chain length K (tree depth with drafting.mode=tree); None: the drafter's own
+    k: int | None = None  # chain length K (tree depth with drafting.mode=tree); None: the drafter's own
     drafting: DraftingConfig = field(default_factory=DraftingConfig)
     batch_size: int = 1  # prompts decoded together (chains only); 1 is the single-sequence fast path
     acceptance_tolerance: float = 0.0  # > 0: typical acceptance of greedy chains (kernels/verify.py), not lossless
@@ -46,8 +46,8 @@ class InferenceConfig:
 
     def __post_init__(self):
         at_least(0, temperature=self.temperature)
-        require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 0, "num_speculative_tokens",
-                self.num_speculative_tokens, ">= 0, or null for the drafter's own")
+        require(self.k is None or self.k >= 0, "k",
+                self.k, ">= 0, or null for the drafter's own")
         at_least(1, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
         self.drafting.check_batch(self.batch_size)
         require(0 <= self.seed < 2**32, "seed", self.seed, "in [0, 2**32 - 1], as for training")
@@ -59,7 +59,7 @@ def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
     """(drafter, target) from an export; the target is the verifier its config names unless given.
     drafter=self:<scheme>: the target's own copy quantized with <scheme> drafts (speculators/self_draft.py)."""
     from speculators import export
-    from speculators.target import FrozenTarget, TargetConfig
+    from speculators.target import FrozenTarget, TargetConfig, TargetShape
 
     if drafter_path.startswith(SELF_PREFIX):
         return load_self_pair(drafter_path.removeprefix(SELF_PREFIX), target_path, quant or QuantConfig())
@@ -67,8 +67,11 @@ def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
     if not (target_path or verifier):
         raise UserError(f"{drafter_path} does not name its target (original EAGLE-3 format); pass target=<path or hub id>")
     target_cfg = TargetConfig.named(target_path or verifier, layer_ids=drafter.layer_ids)
+    # The target's config first: another target's sizes are refused before a weight loads, and before its
+    # loading refuses the drafter's layer ids without saying whose they are.
+    check_trained_for(drafter_path, drafter, TargetShape.read(target_cfg))
     target = FrozenTarget.load(target_cfg, quant or QuantConfig())
-    check_trained_for(drafter_path, target)
+    check_trained_for(drafter_path, drafter, target)
     export.share_target_embedding(drafter, target)
     return drafter.eval(), target
 
@@ -85,30 +88,49 @@ def load_self_pair(scheme: str, target_path: str | None, quant: QuantConfig):
     return SelfDrafter(copy, scheme, SELF_DRAFT_TOKENS), FrozenTarget.load(target_cfg, quant)
 
 
-def check_trained_for(drafter_path: str, target) -> None:
-    """Refuse an export whose training record names another target: same shapes, other weights,
-    and the drafts would be rejected without a word."""
+def check_trained_for(drafter_path: str, drafter, target) -> None:
+    """Refuse, in one line, a drafter made for another target: the sizes that differ (Drafter.check), which
+    a TargetShape tells before the target loads; or, sizes alike, a loaded target's fingerprint other than
+    the one its training record names (other weights: the drafts would be rejected without a word)."""
     from speculators import export
 
     record = export.training_record(Path(drafter_path)) or {}
-    trained_for = record.get("target_fingerprint")
-    if trained_for is not None and trained_for != target.fingerprint():
-        raise UserError(f"{drafter_path} was trained for target {record.get('target')} (fingerprint {trained_for}), "
-                        f"not for target {target.name_or_path} (fingerprint {target.fingerprint()})")
+    trained_for, fingerprint = record.get("target_fingerprint"), target.fingerprint()
+    problems = drafter.check(target)
+    if not problems and None not in (trained_for, fingerprint) and trained_for != fingerprint:
+        problems = [f"fingerprint {trained_for} (drafter) vs {fingerprint} (target)"]
+    if problems:
+        mismatch = (f"was trained for target {record['target']}, not for target {target.name_or_path}"
+                    if record.get("target") else f"does not fit target {target.name_or_path}")
+        raise UserError(f"{drafter_path} {mismatch}: " + "; ".join(problems))
 
 
 def measure(target, drafter, prompts: list[Prompt], cfg: InferenceConfig) -> dict:
     """Baseline and speculative decoding of every prompt, interleaved batch by batch; the report
     as a dict: the figures of all prompts, and the same figures per conversation turn."""
-    cfg = replace(cfg, num_speculative_tokens=speculative_tokens(drafter, cfg.num_speculative_tokens))
-    if cfg.num_speculative_tokens:
-        check_pair(target, drafter)
+    return measure_arms(target, {"": (drafter, cfg.k)}, prompts, cfg)[""]
+
+
+def measure_arms(target, arms: dict[str, tuple], prompts: list[Prompt], cfg: InferenceConfig) -> dict[str, dict]:
+    """measure() of several (drafter, K) arms against one baseline: batch by batch, target-only decoding,
+    then each arm, so all see the same machine load. name -> report."""
+    arms = {name: (drafter, serving_k(drafter, k)) for name, (drafter, k) in arms.items()}
+    for drafter, k in arms.values():
+        if k:
+            check_pair(target, drafter)
     turns = sorted({p.turn for p in prompts})
-    per_turn = {turn: measure_turn(target, drafter, [p for p in prompts if p.turn == turn], cfg) for turn in turns}
-    total = Tally(cfg.num_speculative_tokens)
+    per_turn = {turn: measure_turn(target, arms, [p for p in prompts if p.turn == turn], cfg) for turn in turns}
+    return {name: arm_report(target, {turn: tallies[name] for turn, tallies in per_turn.items()},
+                             replace(cfg, k=k)) for name, (_, k) in arms.items()}
+
+
+def arm_report(target, per_turn: dict[int, "Tally"], cfg: InferenceConfig) -> dict:
+    """One arm's report: the figures of all its prompts, and the same figures per conversation turn."""
+    total = Tally(cfg.k)
     for tally in per_turn.values():
         total.add(tally)
     rows = [row for tally in per_turn.values() for row in tally.rows]
+    turns = sorted(per_turn)
     return total.figures() | {
         "per_turn": {str(turn): tally.figures() for turn, tally in per_turn.items()} if len(turns) > 1 else None,
         "peak_memory_mb": peak_memory_mb(),
@@ -154,6 +176,18 @@ class Tally:
     def __post_init__(self):
         self.spec, self.base = self.spec or Stats(self.k), self.base or Stats(0)
 
+    def add_batch(self, target, batch: list[Prompt], base, spec) -> None:
+        """One batch decoded target-only (`base`) and speculatively (`spec`)."""
+        self.base.add(base.stats)
+        self.spec.add(spec.stats)
+        self.steps += max(map(len, spec.tokens)) - 1
+        self.base_steps += max(map(len, base.tokens)) - 1
+        self.batches += 1
+        for prompt, out, baseline in zip(batch, spec.tokens, base.tokens):
+            self.rows.append({"prompt": prompt.text, "turn": prompt.turn, "prompt_ids": prompt.ids,
+                              "output_ids": out, "output": target.tokenizer.decode(out),
+                              "baseline_output_ids": baseline, "matches_baseline": out == baseline})
+
     def add(self, other: "Tally") -> None:
         self.spec.add(other.spec)
         self.base.add(other.base)
@@ -197,25 +231,19 @@ def percentiles(latencies_s: list[float]) -> dict | None:
     return {"p50": cuts[49], "p95": cuts[94], "p99": cuts[98]}
 
 
-def measure_turn(target, drafter, prompts: list[Prompt], cfg: InferenceConfig) -> Tally:
-    k, size = cfg.num_speculative_tokens, cfg.batch_size
-    tally = Tally(k)
+def measure_turn(target, arms: dict[str, tuple], prompts: list[Prompt], cfg: InferenceConfig) -> dict[str, Tally]:
+    """name -> Tally of each (drafter, K) arm; every batch decoded target-only once, then by each arm."""
+    size = cfg.batch_size
+    tallies = {name: Tally(k) for name, (_, k) in arms.items()}
     for first in range(0, len(prompts), size):  # batch by batch; seed: that of the batch's first prompt
         batch = prompts[first : first + size]
         ids = [p.ids for p in batch]
         base = generate_batch(target, None, ids, cfg.max_new_tokens, 0, cfg.temperature, cfg.seed + first)
-        spec = generate_batch(target, drafter, ids, cfg.max_new_tokens, k, cfg.temperature, cfg.seed + first,
-                              cfg.drafting, cfg.acceptance_tolerance)
-        tally.base.add(base.stats)
-        tally.spec.add(spec.stats)
-        tally.steps += max(map(len, spec.tokens)) - 1
-        tally.base_steps += max(map(len, base.tokens)) - 1
-        tally.batches += 1
-        for prompt, out, baseline in zip(batch, spec.tokens, base.tokens):
-            tally.rows.append({"prompt": prompt.text, "turn": prompt.turn, "prompt_ids": prompt.ids,
-                               "output_ids": out, "output": target.tokenizer.decode(out),
-                               "baseline_output_ids": baseline, "matches_baseline": out == baseline})
-    return tally
+        for name, (drafter, k) in arms.items():
+            spec = generate_batch(target, drafter, ids, cfg.max_new_tokens, k, cfg.temperature, cfg.seed + first,
+                                  cfg.drafting, cfg.acceptance_tolerance)
+            tallies[name].add_batch(target, batch, base, spec)
+    return tallies
 
 
 def peak_memory_mb() -> float:

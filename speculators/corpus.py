@@ -21,6 +21,8 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt"
 SHAREGPT_DATASET_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 SPLITS = ("train", "validation", "test")
+# What train.pretrain writes as the corpus of the targets it saves (training.json): models/pycode is one.
+STDLIB_SOURCE = "Python standard library (sysconfig stdlib path, site-packages excluded)"
 TEST_DIRS = {"test", "tests", "idle_test"}  # the stdlib's own test suites
 
 
@@ -53,6 +55,16 @@ def stdlib_files(stdlib_path: str | None = None, include_tests: bool = False) ->
         if not rows[split]["path"]:
             raise UserError(f"the {split} split of {root} is empty ({sum(len(r['path']) for r in rows.values())} files in all)")
     return datasets.DatasetDict({s: datasets.Dataset.from_dict(rows[s]) for s in SPLITS})
+
+
+def pretrained_on_stdlib(target: str | None) -> bool:
+    """Whether `target` (a folder, a hub id or None) was pretrained on this corpus by train.pretrain, as
+    models/pycode was: the one kind of target whose drafters the corpus suits."""
+    try:
+        facts = json.loads((Path(target) / "training.json").read_text())
+        return facts["corpus"]["source"] == STDLIB_SOURCE
+    except (TypeError, OSError, ValueError, KeyError):  # no folder, no training.json, or another kind of file
+        return False
 
 
 def corpus_hash(files: datasets.DatasetDict) -> str:

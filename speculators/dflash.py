@@ -58,7 +58,7 @@ class DFlashConfig:
         one_of("drafter.loss", self.loss, KINDS)
 
     @property
-    def num_speculative_tokens(self) -> int:
+    def depth(self) -> int:
         return self.block_size - 1
 
     def slot_weight(self, slot: int) -> float:
@@ -117,6 +117,7 @@ class DFlashDrafter(MaskEmbedding, Drafter):
     config_class = DFlashConfig
     export_format = "speculators"
     speculators_model_type = "dflash"
+    drafts_beyond_depth = False  # a block holds block_size - 1 drafts
     drafting_kind = "parallel"  # a block of drafts from one drafter pass (inference.drafting.ParallelProposer)
 
     def __init__(self, cfg: DFlashConfig, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
@@ -218,7 +219,7 @@ class DFlashDrafter(MaskEmbedding, Drafter):
                                 trained[rows], kind=self.cfg.loss)
         hits = self.draft_to_target[logits.argmax(-1)] == target_argmax[rows]
         loss, metrics, slot = 0.0, {}, rows[2]
-        for j in range(self.num_speculative_tokens):
+        for j in range(self.depth):
             here = slot == j
             step_loss = (per_slot * here).sum() / (trained[rows] & here).sum().clamp(min=1)
             loss = loss + self.cfg.slot_weight(j + 1) * step_loss
@@ -238,9 +239,9 @@ class DFlashDrafter(MaskEmbedding, Drafter):
         """Append m verified positions (`features` [1, m, H]; tokens [1, m], the last being the anchor
         at position cache.length + m) to the context and draft k <= block_size - 1 tokens in one pass
         of the whole block: draft-vocab logits [k, N] of slots 1..k."""
-        if k > self.num_speculative_tokens:
-            raise UserError(f"num_speculative_tokens={k}: a DFlash drafter with block_size={self.cfg.block_size} "
-                            f"drafts at most {self.num_speculative_tokens} tokens per pass")
+        if k > self.depth:
+            raise UserError(f"k={k}: a DFlash drafter with block_size={self.cfg.block_size} "
+                            f"drafts at most {self.depth} tokens per pass")
         start, m, S = cache.length, tokens.shape[1], self.cfg.block_size
         context_cos, context_sin = self.rotary(torch.arange(start, start + m, device=tokens.device))
         cos, sin = self.rotary(torch.arange(start + m, start + m + S, device=tokens.device))

@@ -13,14 +13,16 @@ from speculators.target import FrozenTarget, TargetOutput
 
 
 class Drafter(nn.Module):
-    config_class: type  # the family's config dataclass (the recipe's drafter.* keys); it has num_speculative_tokens
+    config_class: type  # the family's config dataclass (the recipe's drafter.* keys); it has depth
     export_format: str  # the format speculators.export writes by default (its FORMATS key)
     drafting_kind: str  # how inference.drafting serves it: autoregressive | parallel | heads
+    drafts_beyond_depth: bool = True  # a K above its depth is served (untrained positions); False: refused
     layer_ids: list[int] = []  # target layers whose hidden states it reads; [] (EAGLE-1, Medusa): the last one only
     left_to_target: tuple[str, ...] = ()  # weights its export left to the target: export.share_target_embedding fills them
     cfg: object  # an instance of config_class
     d2t: torch.Tensor  # draft id -> target id offset [N] (speculators/draft_vocab.py)
     t2d: torch.Tensor  # target id -> in the draft vocabulary [V]
+    best_k: int | None = None  # the K measured fastest (export.set_best_k); None: not measured, serve its depth
 
     @classmethod
     def from_target(cls, cfg, target: FrozenTarget, token_counts: torch.Tensor) -> "Drafter":
@@ -80,11 +82,23 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
     @property
-    def num_speculative_tokens(self) -> int:
-        """K: the draft tokens it was trained to propose (what serving drafts unless told otherwise)."""
-        return self.cfg.num_speculative_tokens
+    def depth(self) -> int:
+        """The draft positions it was trained to propose (training-time-test steps, heads, tokens per pass)."""
+        return self.cfg.depth
+
+    @property
+    def k(self) -> int:
+        """K served unless told otherwise: the fastest its closing report or card measured (an export's
+        speculative_tokens), else its depth."""
+        return self.best_k or self.depth
 
     @property
     def draft_to_target(self) -> torch.Tensor:
         """Target token ids of the draft vocabulary, in draft-id order."""
         return draft_vocab.target_ids(self.d2t)
+
+
+def speculators_depth(config: dict) -> int:
+    """The trained depth a speculators-format config.json records (its speculative_tokens where it does not:
+    exports of other trainers, which serve what they trained)."""
+    return config.get("trained_depth") or config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]

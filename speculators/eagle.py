@@ -63,14 +63,14 @@ from speculators.target import FrozenTarget, TargetOutput
 @dataclass
 class EagleConfig:
     family: str = "eagle"
-    num_speculative_tokens: int = 5  # chain length served; validation reports acc_step0..K-1
+    depth: int = 5  # chain length served; validation reports acc_step0..K-1
     regression_weight: float = 1.0  # SmoothL1 feature regression (EAGLE: v_w = 1.0)
     distillation_weight: float = 0.1  # soft cross-entropy to the target's next-token distribution (EAGLE: p_w = 0.1)
     input_noise: float = 0.2  # width a of the uniform noise U(-a/2, a/2) on input features in training
     loss: str = "soft_ce"  # its distillation term (kernels/distill.py): soft_ce | kl (one gradient) | lk | lk_hybrid
 
     def __post_init__(self):
-        at_least(1, drafter__num_speculative_tokens=self.num_speculative_tokens)
+        at_least(1, drafter__depth=self.depth)
         at_least(0, drafter__regression_weight=self.regression_weight,
                  drafter__distillation_weight=self.distillation_weight, drafter__input_noise=self.input_noise)
         require(self.regression_weight + self.distillation_weight > 0, "drafter.distillation_weight",
@@ -161,7 +161,7 @@ class EagleDrafter(Drafter):
     def chain_accuracy(self, input_ids, loss_mask, target_argmax, predicted, keys, values) -> dict:
         """acc_step{j} for j >= 1: step j reads the drafter's own f_hat of step j-1, as a served chain does."""
         metrics = {}
-        for j in range(1, self.num_speculative_tokens):
+        for j in range(1, self.depth):
             predicted = self.unrolled_step(j, shift_left(input_ids, 1 + j), predicted, keys, values)
             metrics[f"acc_step{j}"] = accuracy(self.lm_head(predicted), target_argmax, loss_mask, j)
         return metrics

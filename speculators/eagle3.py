@@ -10,7 +10,7 @@ state before fc (fc_norm.{i}), `norm_before_fc` one RMSNorm over their concatena
 both; `norm_output` carries the hidden state after the final norm into the next step, the one the
 lm_head reads (without it, the next step reads the layer's output before the norm).
 
-Training-time test (TTT) unrolls the drafter `num_speculative_tokens` times as it runs when serving.
+Training-time test (TTT) unrolls the drafter `depth` times as it runs when serving.
 At step j, position t reads token t+1+j (teacher-forced) and, for j > 0, its own previous
 output as the hidden input; it is trained to match the target's distribution at t+1+j. Its
 query sees the step-0 keys of positions <= t (the verified context) and the keys of
@@ -27,7 +27,7 @@ from transformers import LlamaConfig
 from kernels import distill_loss
 from kernels.distill import KINDS
 from speculators.config import UserError, at_least, one_of, require
-from speculators.drafter import Drafter
+from speculators.drafter import Drafter, speculators_depth
 from speculators.layers import KVCache, RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
 from speculators.target import FrozenTarget, TargetOutput
 
@@ -35,7 +35,7 @@ from speculators.target import FrozenTarget, TargetOutput
 @dataclass
 class Eagle3Config:
     family: str = "eagle3"
-    num_speculative_tokens: int = 5  # K: draft steps unrolled in training (training-time test; anchors use 3 to 7)
+    depth: int = 5  # K: draft steps unrolled in training (training-time test; anchors use 3 to 7)
     step_decay: float = 0.8  # loss weight of step j is step_decay**j (EAGLE-3: 0.8)
     draft_vocab_size: int = 32000
     intermediate_size: int | None = None  # the layer's MLP width; None: the target's
@@ -46,7 +46,7 @@ class Eagle3Config:
     loss: str = "soft_ce"  # distillation loss (kernels/distill.py): soft_ce | kl (one gradient) | lk | lk_hybrid
 
     def __post_init__(self):
-        at_least(1, drafter__num_speculative_tokens=self.num_speculative_tokens,
+        at_least(1, drafter__depth=self.depth,
                  drafter__draft_vocab_size=self.draft_vocab_size)
         if self.intermediate_size is not None:
             at_least(1, drafter__intermediate_size=self.intermediate_size)
@@ -172,8 +172,7 @@ class Eagle3Drafter(Drafter):
     @classmethod
     def from_speculators_config(cls, config: dict, layer_cfg: LlamaConfig) -> "Eagle3Drafter":
         """An empty drafter shaped by an export's config.json (speculators.export reads the weights)."""
-        k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-        cfg = Eagle3Config(num_speculative_tokens=k, draft_vocab_size=config["draft_vocab_size"],
+        cfg = Eagle3Config(depth=speculators_depth(config), draft_vocab_size=config["draft_vocab_size"],
                            intermediate_size=layer_cfg.intermediate_size,
                            norm_before_residual=config["norm_before_residual"],
                            **{flag: config.get(flag, False) for flag in EAGLE31_FLAGS})
@@ -218,7 +217,7 @@ class Eagle3Drafter(Drafter):
         every_draft_id = torch.arange(target_draft.shape[-1], device=input_ids.device)
         hidden = self.fuse(target_out.aux_hidden)
         keys, values, loss, metrics = [[] for _ in self.layers], [[] for _ in self.layers], 0.0, {}
-        for j in range(self.cfg.num_speculative_tokens):
+        for j in range(self.cfg.depth):
             tokens = shift_left(input_ids, 1 + j)
             # Position t is trained on the distribution at t+1+j, i.e. on predicting token t+2+j.
             counted = shift_left(loss_mask, 2 + j).bool()

@@ -55,6 +55,7 @@ instead of 152 MB).
 """
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +111,7 @@ def speculators_config(drafter, verifier: Verifier) -> dict:
         "speculators_config": {
             "algorithm": kind,
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafter.num_speculative_tokens,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafter.k,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "verifier": {"name_or_path": verifier.name_or_path, "architectures": verifier.architectures},
         },
@@ -118,6 +119,7 @@ def speculators_config(drafter, verifier: Verifier) -> dict:
         "draft_vocab_size": drafter.cfg.draft_vocab_size,
         "embed_requires_grad": False,
         "tie_word_embeddings": False,
+        "trained_depth": drafter.depth,  # this project's key: speculative_tokens is the K to serve
         "torch_dtype": "float32",
     } | drafter.speculators_extra_config()
 
@@ -137,7 +139,9 @@ def read_speculators(config: dict, weights: dict):
     layer_cfg = LlamaConfig(**{k: v for k, v in config["transformer_layer_config"].items()
                                if k not in ("architectures", "model_type")})
     draft_vocab.check(weights.get("d2t"), weights.get("t2d"), layer_cfg.vocab_size, config["draft_vocab_size"])
-    return FAMILIES[kind].from_speculators_config(config, layer_cfg), weights
+    drafter = FAMILIES[kind].from_speculators_config(config, layer_cfg)
+    drafter.best_k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    return drafter, weights
 
 
 # Keys of an EAGLE config.json that are not fields of the draft layer's LlamaConfig.
@@ -156,7 +160,7 @@ def write_eagle(drafter, verifier: Verifier) -> tuple[dict, dict]:
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
         "base_model_name_or_path": verifier.name_or_path,
-        "num_speculative_tokens": drafter.num_speculative_tokens,
+        "num_speculative_tokens": drafter.depth,
     }
     return config, drafter.state_dict()
 
@@ -165,7 +169,7 @@ def read_eagle(config: dict, weights: dict):
     from speculators.eagle import EagleConfig, EagleDrafter
 
     layer_cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in EAGLE_FORMAT_KEYS})
-    return EagleDrafter(EagleConfig(num_speculative_tokens=config["num_speculative_tokens"]), layer_cfg), weights
+    return EagleDrafter(EagleConfig(depth=config["num_speculative_tokens"]), layer_cfg), weights
 
 
 # Keys of an original EAGLE-3 config.json that are not fields of the draft layer's LlamaConfig.
@@ -192,7 +196,7 @@ def write_eagle3(drafter, verifier: Verifier) -> tuple[dict, dict]:
         "target_hidden_size": drafter.target_hidden_size,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": drafter.layer_ids, "use_aux_hidden_state": True},
         "norm_before_residual": False,
-        "num_speculative_tokens": drafter.num_speculative_tokens,
+        "num_speculative_tokens": drafter.depth,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
@@ -205,7 +209,7 @@ def read_eagle3(config: dict, weights: dict):
 
     layer_cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in EAGLE3_FORMAT_KEYS})
     draft_vocab.check(weights.get("d2t"), weights.get("t2d"), layer_cfg.vocab_size, config["draft_vocab_size"])
-    cfg = Eagle3Config(num_speculative_tokens=config.get("num_speculative_tokens", 5),
+    cfg = Eagle3Config(depth=config.get("num_speculative_tokens", 5),
                        draft_vocab_size=config["draft_vocab_size"], intermediate_size=layer_cfg.intermediate_size,
                        norm_before_residual=config.get("norm_before_residual", False))
     drafter = Eagle3Drafter(cfg, layer_cfg, config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
@@ -277,7 +281,7 @@ def target_layer_count(name_or_path: str) -> int:
 
 def write_medusa(drafter, verifier: Verifier) -> tuple[dict, dict]:
     config = {
-        "medusa_num_heads": drafter.cfg.num_speculative_tokens,
+        "medusa_num_heads": drafter.cfg.depth,
         "medusa_num_layers": drafter.cfg.num_layers,
         "base_model_name_or_path": verifier.name_or_path,
         "hidden_size": drafter.target_hidden_size,
@@ -299,7 +303,7 @@ def read_medusa(config: dict, weights: dict):
         raise UserError(f"a Medusa export with medusa_num_layers={layers} needs the weight '0.{layers}.weight' "
                         f"(head 0's vocabulary projection)")
     tree = {"tree_choices": config["medusa_choices"]} if "medusa_choices" in config else {}
-    cfg = MedusaConfig(num_speculative_tokens=config["medusa_num_heads"], num_layers=layers, **tree)
+    cfg = MedusaConfig(depth=config["medusa_num_heads"], num_layers=layers, **tree)
     vocab_size, hidden_size = projection.shape
     return MedusaDrafter(cfg, hidden_size, vocab_size), {f"heads.{name}": t for name, t in weights.items()}
 
@@ -448,6 +452,18 @@ def share_target_embedding(drafter, target) -> None:
     if "mask_embedding" in drafter.left_to_target:
         drafter.reset_mask_embedding()
     drafter.left_to_target = ()
+
+
+def set_best_k(path: Path, k: int) -> None:
+    """Record in a speculators-format export the K measured fastest: its speculative_tokens, which vLLM, SGLang
+    and this project's engine serve when the user sets no K. Other formats have no such field."""
+    config = read_config(Path(path))
+    if format_of(config) != "speculators":
+        return
+    config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = k
+    partial = Path(path) / "config.json.partial"
+    partial.write_text(json.dumps(config, indent=2))
+    os.replace(partial, Path(path) / "config.json")  # whole or not at all
 
 
 def training_record(path: Path) -> dict | None:

@@ -56,7 +56,7 @@ DEFAULT_TREE = [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [
 @dataclass
 class MedusaConfig:
     family: str = "medusa"
-    num_speculative_tokens: int = 5  # K, Medusa's heads: head k drafts the token k positions after the target's next one
+    depth: int = 5  # K, Medusa's heads: head k drafts the token k positions after the target's next one
     num_layers: int = 1  # ResBlocks per head (Medusa: 1)
     head_decay: float = 0.8  # head k's loss weighs head_decay**k (Medusa: 0.8)
     loss: str = "soft_ce"  # distillation loss (kernels/distill.py): soft_ce | kl (one gradient) | lk | lk_hybrid
@@ -65,7 +65,7 @@ class MedusaConfig:
     tree_choices: list = field(default_factory=lambda: [list(path) for path in DEFAULT_TREE])
 
     def __post_init__(self):
-        at_least(1, drafter__num_speculative_tokens=self.num_speculative_tokens, drafter__num_layers=self.num_layers)
+        at_least(1, drafter__depth=self.depth, drafter__num_layers=self.num_layers)
         require(0 < self.head_decay <= 1, "drafter.head_decay", self.head_decay, "in (0, 1]")
         one_of("drafter.loss", self.loss, KINDS)
         check_tree(self.tree_choices)
@@ -73,7 +73,7 @@ class MedusaConfig:
 
 def check_tree(choices: list[list[int]]) -> None:
     """Paths of per-head ranks, each listed once and after its parent. Paths deeper than the heads
-    (or than the drafts asked for) are valid and not drafted, so one tree serves any num_speculative_tokens."""
+    (or than the drafts asked for) are valid and not drafted, so one tree serves any depth."""
     require(len(choices) > 0, "drafter.tree_choices", choices, "a non-empty list of paths, e.g. [[0], [0, 0], [1]]")
     seen = set()
     for path in choices:
@@ -110,13 +110,14 @@ def medusa_head(hidden_size: int, vocab_size: int, num_layers: int) -> nn.Sequen
 class MedusaDrafter(Drafter):
     config_class = MedusaConfig
     export_format = "medusa"
+    drafts_beyond_depth = False  # one head per position
     drafting_kind = "heads"  # all drafts from the heads at one position (inference.drafting)
 
     def __init__(self, cfg: MedusaConfig, hidden_size: int, vocab_size: int):
         super().__init__()
         self.cfg = cfg
         self.heads = nn.ModuleList(medusa_head(hidden_size, vocab_size, cfg.num_layers)
-                                   for _ in range(cfg.num_speculative_tokens))
+                                   for _ in range(cfg.depth))
         # The full vocabulary: constants, so not saved (the Medusa format has no maps).
         self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long), persistent=False)
         self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool), persistent=False)

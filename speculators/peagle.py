@@ -56,7 +56,7 @@ from transformers import LlamaConfig
 from kernels import distill_loss
 from kernels.distill import KINDS
 from speculators.config import at_least, one_of, require
-from speculators.drafter import Drafter
+from speculators.drafter import Drafter, speculators_depth
 from speculators.eagle3 import (
     Eagle3Attention,
     Eagle3DecoderLayer,
@@ -73,7 +73,7 @@ from speculators.target import FrozenTarget, TargetOutput
 @dataclass
 class PEagleConfig:
     family: str = "peagle"
-    num_speculative_tokens: int = 5  # K: tokens drafted in one pass (depths 0..K-1)
+    depth: int = 5  # K: tokens drafted in one pass (depths 0..K-1)
     num_layers: int = 2  # decoder layers (P-EAGLE uses 2 to 4)
     draft_vocab_size: int = 32000
     keep_ratio: float = 0.7  # r: training keeps depth d >= 1 of a fraction max(r^d, min_keep) of anchors
@@ -83,7 +83,7 @@ class PEagleConfig:
     loss: str = "soft_ce"  # distillation loss (kernels/distill.py): soft_ce | kl (one gradient) | lk | lk_hybrid
 
     def __post_init__(self):
-        at_least(1, drafter__num_speculative_tokens=self.num_speculative_tokens, drafter__num_layers=self.num_layers,
+        at_least(1, drafter__depth=self.depth, drafter__num_layers=self.num_layers,
                  drafter__draft_vocab_size=self.draft_vocab_size)
         require(0 < self.keep_ratio <= 1, "drafter.keep_ratio", self.keep_ratio, "in (0, 1]")
         require(0 <= self.min_keep <= 1, "drafter.min_keep", self.min_keep, "in [0, 1]")
@@ -152,8 +152,7 @@ class PEagleDrafter(MaskEmbedding, Drafter):
     @classmethod
     def from_speculators_config(cls, config: dict, layer_cfg: LlamaConfig) -> "PEagleDrafter":
         """An empty drafter shaped by an export's config.json (speculators.export reads the weights)."""
-        drafts = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-        cfg = PEagleConfig(num_speculative_tokens=drafts, num_layers=layer_cfg.num_hidden_layers,
+        cfg = PEagleConfig(depth=speculators_depth(config), num_layers=layer_cfg.num_hidden_layers,
                            draft_vocab_size=config["draft_vocab_size"], keep_ratio=config["down_sample_ratio"],
                            min_keep=config["down_sample_ratio_min"],
                            norm_before_residual=config["norm_before_residual"], mask_token_id=config["mask_token_id"])
@@ -186,7 +185,7 @@ class PEagleDrafter(MaskEmbedding, Drafter):
     def kept_rows(self, batch: int, length: int, device=None) -> torch.Tensor:
         """keep [K, B, T] bool: which (depth, anchor) rows a training step computes (module doc).
         Every row in eval mode; COD sampling from the global RNG in training."""
-        K = self.num_speculative_tokens
+        K = self.depth
         if not self.training:
             return torch.ones(K, batch, length, dtype=torch.bool, device=device)
         u = torch.rand(batch, length, device=device)
@@ -227,7 +226,7 @@ class PEagleDrafter(MaskEmbedding, Drafter):
                                     kind=self.cfg.loss)
         hits = (self.draft_to_target[logits.argmax(-1)] == target_argmax) & counted
         loss, metrics = 0.0, {}
-        for d in range(self.num_speculative_tokens):
+        for d in range(self.depth):
             at_depth = depth == d
             step_loss = (per_position * (trained & at_depth)).sum() / (trained & at_depth).sum().clamp(min=1)
             loss = loss + step_loss

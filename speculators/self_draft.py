@@ -4,6 +4,8 @@ distribution as q), the higher-precision target verifies them (inference/draftin
 It pays when a pass of the copy is cheap beside a pass of the target and their next tokens agree.
 """
 
+import math
+
 from speculators.config import require
 from speculators.target import FrozenTarget
 
@@ -19,15 +21,16 @@ WEIGHT_BITS = {"none": 32, "int8": 8, "fp8": 8, "w8a8": 8, "int4": 4, "gptq_int4
 class SelfDrafter:
     drafting_kind = "self"
     layer_ids: list[int] = []  # reads no target features: the copy computes its own
+    depth = math.inf  # nothing trained: it drafts as far as asked
 
-    def __init__(self, copy: FrozenTarget, scheme: str, num_speculative_tokens: int):
-        self.copy, self.scheme, self.num_speculative_tokens = copy, scheme, num_speculative_tokens
+    def __init__(self, copy: FrozenTarget, scheme: str, k: int):
+        self.copy, self.scheme, self.k = copy, scheme, k
 
     @classmethod
-    def of(cls, copy: FrozenTarget, scheme: str, target_scheme: str, num_speculative_tokens: int) -> "SelfDrafter":
+    def of(cls, copy: FrozenTarget, scheme: str, target_scheme: str, k: int) -> "SelfDrafter":
         """`copy`, the target quantized with `scheme`, drafting for the target quantized with `target_scheme`."""
         check_lower_precision(scheme, target_scheme)
-        return cls(copy, scheme, num_speculative_tokens)
+        return cls(copy, scheme, k)
 
     def check(self, target: FrozenTarget) -> list[str]:
         """What keeps this copy from drafting for `target` (engine.check_pair)."""

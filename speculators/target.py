@@ -29,6 +29,8 @@ from speculators.layers import decoding_linears
 from speculators.quant import QuantConfig, check_gguf_source, quantize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NO_TARGET = ("no target: pass target.name_or_path=<folder or hub id> (or target.gguf_file=<model.gguf>, or a "
+             "conf/target/ file: target=smollm2)")
 
 
 @dataclass
@@ -43,6 +45,8 @@ class TargetConfig:
     offload_folder: str | None = None  # disk for the layers that fit nowhere else (device_map only)
 
     def __post_init__(self):
+        if self.name_or_path is None and self.gguf_file is None:  # conf=eagle3 (conf/target/yours.yaml) names none
+            raise UserError(NO_TARGET)
         require((self.name_or_path is None) != (self.gguf_file is None), "target.name_or_path", self.name_or_path,
                 "set when target.gguf_file is not, and null when it is (one source of weights)")
         one_of("target.dtype", self.dtype, DTYPES)
@@ -68,6 +72,40 @@ class TargetConfig:
         memory = None if self.max_memory is None else {int(k) if str(k).isdigit() else k: v
                                                        for k, v in self.max_memory.items()}
         return {"device_map": self.device_map, "max_memory": memory, "offload_folder": self.offload_folder}
+
+
+@dataclass
+class TargetShape:
+    """A target's sizes as its config (a GGUF file: its header) states them, read without loading a
+    weight: what Drafter.check reads of a FrozenTarget, so a drafter it cannot serve is refused first."""
+
+    name_or_path: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+
+    @classmethod
+    def read(cls, cfg: TargetConfig) -> "TargetShape":
+        if cfg.gguf_file:
+            return cls.of_gguf(cfg.gguf_file)
+        try:
+            config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot load target {cfg.name!r}: {str(e).splitlines()[0]}") from None
+        return cls(cfg.name, config.hidden_size, config.vocab_size, config.num_hidden_layers)
+
+    @classmethod
+    def of_gguf(cls, spec: str) -> "TargetShape":
+        """From the header alone: no conversion (the first load of a GGUF converts it)."""
+        reader = gguf_file.read(gguf_file.locate(spec))
+        arch = gguf_file.field(reader, "general.architecture")
+        vocab_size = gguf_file.field(reader, f"{arch}.vocab_size") or len(gguf_file.field(reader, "tokenizer.ggml.tokens"))
+        return cls(spec, gguf_file.field(reader, f"{arch}.embedding_length"), vocab_size,
+                   gguf_file.field(reader, f"{arch}.block_count"))
+
+    def fingerprint(self) -> None:
+        """Unknown until the weights load (FrozenTarget.fingerprint)."""
+        return None
 
 
 @dataclass

@@ -56,12 +56,16 @@ def make_model(family: str, tokenizer, num_layers: int = NUM_LAYERS, seed: int =
 
 @pytest.fixture(scope="session")
 def target_dirs(tokenizer, tmp_path_factory) -> dict[str, Path]:
-    """family -> a save_pretrained folder holding the model and its tokenizer."""
+    """family -> a save_pretrained folder holding the model and its tokenizer, and a training.json naming the
+    standard library as its corpus (its tokenizer's is), as train.pretrain's do: recipes with data=stdlib take it."""
+    from speculators.corpus import STDLIB_SOURCE
+
     dirs = {}
     for family in FAMILIES:
         path = tmp_path_factory.mktemp(f"tiny_{family}")
         make_model(family, tokenizer).save_pretrained(path)
         tokenizer.save_pretrained(path)
+        (path / "training.json").write_text(json.dumps({"corpus": {"source": STDLIB_SOURCE}}))
         dirs[family] = path
     return dirs
 
@@ -115,7 +119,7 @@ def make_drafter(text_batch):
 
     def make(target, seed: int = 0, **fields):
         torch.manual_seed(seed)
-        fields = {"num_speculative_tokens": 3, "draft_vocab_size": DRAFT_VOCAB, **fields}
+        fields = {"depth": 3, "draft_vocab_size": DRAFT_VOCAB, **fields}
         counts = draft_vocab.count_tokens(text_batch, torch.ones_like(text_batch), target.vocab_size)
         return Eagle3Drafter.from_target(Eagle3Config(**fields), target, counts)
 

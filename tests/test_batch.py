@@ -251,7 +251,7 @@ def test_report_groups_prompts_by_batch_size_and_keeps_its_shape(llama_target, m
     drafter = make_drafter(llama_target)
     prompts = evalsets.prompts_of([[text] for text in texts], None, llama_target, 10)
     reports = [report.measure(llama_target, drafter, prompts, report.InferenceConfig(
-        drafter="x", max_new_tokens=10, num_speculative_tokens=3, batch_size=size)) for size in (1, 2)]
+        drafter="x", max_new_tokens=10, k=3, batch_size=size)) for size in (1, 2)]
     one, two = reports
     assert one.keys() == two.keys() and two["config"]["batch_size"] == 2
     assert [r["prompt"] for r in two["prompts"]] == texts

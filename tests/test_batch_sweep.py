@@ -21,7 +21,7 @@ def test_a_row_per_batch_size_with_latency_percentiles(llama_target, make_drafte
     prompts = evalsets.prompts_of([[text] for text in PROMPTS], None, llama_target, 12)
     cfg = BatchSweepConfig(drafter="unused", batch_sizes=[1, 2, 4], max_new_tokens=12, repeats=2)
     result = sweep(llama_target, drafter, prompts, cfg)
-    assert [r["batch_size"] for r in result["rows"]] == [1, 2, 4] and result["num_speculative_tokens"] == 3
+    assert [r["batch_size"] for r in result["rows"]] == [1, 2, 4] and result["k"] == 3
     for r in result["rows"]:
         assert r["outputs_match_baseline"] and len(r["tokens_per_second_repeats"]) == 2
         assert r["speedup"] == pytest.approx(r["tokens_per_second"] / r["baseline_tokens_per_second"])

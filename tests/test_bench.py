@@ -8,12 +8,12 @@ from inference.bench import BenchConfig, run, table
 def test_bench_runs_every_method_and_compares_outputs(llama_target, make_drafter, tokenizer):
     drafter = make_drafter(llama_target).eval()
     prompts = [tokenizer("import os\nimport sys\n")["input_ids"], tokenizer("def main():\n    return")["input_ids"]]
-    cfg = BenchConfig(drafter="unused", max_new_tokens=12, num_speculative_tokens=3, repeats=2,
+    cfg = BenchConfig(drafter="unused", max_new_tokens=12, k=3, repeats=2,
                       lookup_chain_lengths=[1], prompt_lookup_min=1)
     rows = run(llama_target, drafter, llama_target.model, prompts, cfg)
     assert set(rows) == {"target_only", "speculative_chain", "speculative_tree", "speculative_chain_k1_lookup",
                          "hf_greedy", "hf_prompt_lookup", "hf_assisted"}
-    assert rows["speculative_chain_k1_lookup"]["num_speculative_tokens"] == 1
+    assert rows["speculative_chain_k1_lookup"]["k"] == 1
     assert rows["target_only"]["speedup"] == 1.0
     for name, row in rows.items():
         assert len(row["seconds"]) == cfg.repeats and row["tokens_per_second"] > 0

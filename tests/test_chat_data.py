@@ -327,7 +327,7 @@ def test_bad_data_config_is_a_one_line_error(tmp_path):
 ])
 def test_every_data_config_maps_onto_data_config(group, source, layout, tmp_path):
     path = write_jsonl(tmp_path / "data.jsonl", sharegpt_rows(1))
-    recipe, _ = typed(composed(["conf=eagle3", f"data={group}"] + ([f"data.path={path}"] if source == "file" else [])))
+    recipe, _ = typed(composed(["conf=eagle3_pycode", f"data={group}"] + ([f"data.path={path}"] if source == "file" else [])))
     assert (recipe.data.source, recipe.data.layout) == (source, layout)
 
 
@@ -351,11 +351,11 @@ def test_train_eagle3_on_sharegpt_end_to_end(llama_dir, tokenizer, tmp_path):
     _, t2d_unmasked = draft_vocab.build(draft_vocab.count_tokens(rows, torch.ones_like(mask), VOCAB_SIZE), draft)
     assert t2d_unmasked[user_only].all()  # the control: counted over all tokens, it would be drafted
     result = run_train([
-        "conf=eagle3", "data=sharegpt", f"data.path={path}", f"data.chat_template={template}", "data.seq_len=256",
+        "conf=eagle3_pycode", "data=sharegpt", f"data.path={path}", f"data.chat_template={template}", "data.seq_len=256",
         "data.batch_size=2", "data.max_val_sequences=2", "data.overlong=skip", "trainer.max_steps=3", "logger=none",
         f"hydra.run.dir={run_dir}", f"target.name_or_path={llama_dir}",
         "target.layer_ids=[" + ",".join(map(str, LAYER_IDS)) + "]", f"drafter.draft_vocab_size={draft}",
-        "drafter.num_speculative_tokens=3", "serve_eval.every_n_steps=0", "trainer.val_every_n_steps=3",
+        "drafter.depth=3", "serve_eval.every_n_steps=0", "trainer.val_every_n_steps=3",
         "trainer.checkpoint_every_n_steps=3", "trainer.num_threads=1", "trainer.progress_bar=false",
     ], cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -28,9 +28,9 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
     run_dir = tmp_path / "run"
     layer_ids = "[" + ",".join(map(str, LAYER_IDS)) + "]"
     args = [
-        "conf=eagle3", "trainer.max_steps=3", "logger=none", f"hydra.run.dir={run_dir}",
+        "conf=eagle3_pycode", "trainer.max_steps=3", "logger=none", f"hydra.run.dir={run_dir}",
         f"target.name_or_path={llama_dir}", f"target.layer_ids={layer_ids}", f"drafter.draft_vocab_size={DRAFT}",
-        "drafter.num_speculative_tokens=3", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
+        "drafter.depth=3", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
         "trainer.val_every_n_steps=3", "trainer.checkpoint_every_n_steps=3", "trainer.num_threads=1",
         "trainer.log_every_n_steps=2",  # the default progress_bar=true, but output goes to a pipe: lines, no bar
     ]
@@ -43,7 +43,6 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
     assert f"export: {export_dir}" in result.stdout
     config = json.loads((export_dir / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
-    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3  # K as trained
     assert config["draft_vocab_size"] == DRAFT
     assert config["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(llama_dir)
@@ -61,8 +60,13 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
     assert training["target_fingerprint"] == FrozenTarget.load(TargetConfig(str(llama_dir), layer_ids=LAYER_IDS)).fingerprint()
 
     report = json.loads((run_dir / "acceptance" / "report.json").read_text())
-    for curve in (report["acceptance_rate_per_position"], report["offline_accuracy_per_step"]):
-        assert len(curve) == 3 and all(0.0 <= a <= 1.0 for a in curve)
+    sweep = report["k_sweep"]  # K = 1 to the depth, against target-only decoding; the fastest is the report's
+    assert list(sweep) == ["1", "2", "3"] and report["config"]["k"] == int(max(sweep, key=lambda k: sweep[k]["speedup"]))
+    k = report["config"]["k"]
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == k  # what engines serve
+    assert config["trained_depth"] == 3
+    for curve, length in ((report["acceptance_rate_per_position"], k), (report["offline_accuracy_per_step"], 3)):
+        assert len(curve) == length and all(0.0 <= a <= 1.0 for a in curve)
     assert report["outputs_match_baseline"] is True
     assert (run_dir / "acceptance" / "acceptance.png").stat().st_size > 0
 

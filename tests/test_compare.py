@@ -32,7 +32,7 @@ def exports(llama_target, make_drafter, tmp_path_factory):
 
 def test_rows_per_drafter_and_mode_with_measure_s_figures(llama_target, exports, tokenizer, tmp_path):
     cfg = compare.CompareConfig(drafters=exports, modes=["chain", "tree"], max_new_tokens=12,
-                                num_speculative_tokens=3, repeats=2)
+                                k=3, repeats=2)
     drafters = [(p, export.load(Path(p))[0].eval(), export.training_record(p)) for p in exports]
     prompts = [tokenizer("import os\nimport sys\n")["input_ids"], tokenizer("def main():\n    return")["input_ids"]]
     rows = compare.methods(drafters, cfg)
@@ -50,7 +50,7 @@ def test_rows_per_drafter_and_mode_with_measure_s_figures(llama_target, exports,
     served = [evalsets.Prompt(ids, 1, tokenizer.decode(ids)) for ids in prompts]
     for (path, drafter, _), row in zip(drafters, (table[1], table[3])):
         alone = report.measure(llama_target, drafter, served, report.InferenceConfig(
-            drafter=path, max_new_tokens=12, num_speculative_tokens=3))
+            drafter=path, max_new_tokens=12, k=3))
         assert row["acceptance_length"] == pytest.approx(alone["acceptance_length"])
         assert row["acceptance_rate_per_position"] == pytest.approx(alone["acceptance_rate_per_position"])
     assert table[3]["training"]["tokens_seen"] == 100
@@ -90,7 +90,7 @@ def test_vocabulary_coverage_counts_target_tokens_the_drafter_can_propose():
 @pytest.mark.parametrize("bad, message", [({"drafters": []}, "at least one"),
                                           ({"drafters": ["x"], "modes": ["beam"]}, "drafting.mode"),
                                           ({"drafters": ["x"], "repeats": 0}, "repeats"),
-                                          ({"drafters": ["x"], "num_speculative_tokens": 0}, "num_speculative_tokens")])
+                                          ({"drafters": ["x"], "k": 0}, "k")])
 def test_bad_config_is_a_user_error(bad, message):
     with pytest.raises(UserError, match=message):
         compare.CompareConfig(**bad)
@@ -102,7 +102,7 @@ def test_config_file_mirrors_the_dataclass():
     from speculators.config import to_dataclass
 
     cfg = to_dataclass(compare.CompareConfig, composed(["drafters=[x]"], CONF / "inference", "compare"))
-    assert cfg == compare.CompareConfig(drafters=["x"]) and cfg.num_speculative_tokens is None
+    assert cfg == compare.CompareConfig(drafters=["x"]) and cfg.k is None
     chosen = composed(["drafters=[x]", "eval=mtbench", "eval.num_prompts=4"], CONF / "inference", "compare")
     assert to_dataclass(compare.CompareConfig, chosen).eval == evalsets.EvalConfig("mtbench", num_prompts=4, turns=2)
 
@@ -111,7 +111,7 @@ def test_cli_end_to_end(llama_dir, exports, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
     result = subprocess.run([sys.executable, "-m", "inference.compare", f"drafters=[{exports[0]},{exports[1]}]",
                              f"target={llama_dir}", "quant=int8", "eval.num_prompts=1", "eval.prompt_lines=2",
-                             "max_new_tokens=6", "num_speculative_tokens=2", "repeats=1", f"out={tmp_path}"],
+                             "max_new_tokens=6", "k=2", "repeats=1", f"out={tmp_path}"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "compare.json").read_text())["rows"]

@@ -29,7 +29,7 @@ def typed(cfg):
     return recipe, None
 
 
-@pytest.mark.parametrize("recipe", ["eagle3", "target_pretrain"])
+@pytest.mark.parametrize("recipe", ["eagle3_pycode", "target_pretrain"])
 def test_every_recipe_maps_onto_its_dataclasses(recipe):
     typed(composed([f"conf={recipe}"]))  # an unknown key anywhere in conf/ would raise here
 
@@ -52,7 +52,7 @@ def test_inference_configs_map_onto_their_dataclasses(name, cls):
     ("logger.kind=tensorboard", "logger.kind"),
     ("logger.mode=sometimes", "logger.mode"),
     ("target.dtype=int3", "target.dtype"),
-    ("drafter.num_speculative_tokens=0", "drafter.num_speculative_tokens"),
+    ("drafter.depth=0", "drafter.depth"),
     ("drafter.step_decay=0", "drafter.step_decay"),
     ("drafter.family=lookahead", "drafter.family"),
     ("serve_eval.max_new_tokens=0", "serve_eval.max_new_tokens"),
@@ -62,7 +62,7 @@ def test_inference_configs_map_onto_their_dataclasses(name, cls):
 ])
 def test_bad_values_fail_with_one_line_naming_the_key(override, key):
     with pytest.raises(UserError) as error:
-        typed(composed(["conf=eagle3", override]))
+        typed(composed(["conf=eagle3_pycode", override]))
     message = str(error.value)
     assert key in message and "\n" not in message
 
@@ -73,7 +73,7 @@ def test_bad_model_shape_for_pretraining_names_the_rule():
 
 
 @pytest.mark.parametrize("override, key", [("temperature=-1", "temperature"), ("max_new_tokens=0", "max_new_tokens"),
-                                           ("num_speculative_tokens=-2", "num_speculative_tokens")])
+                                           ("k=-2", "k")])
 def test_bad_inference_values_fail_with_one_line(override, key):
     with pytest.raises(UserError, match=key):
         to_dataclass(InferenceConfig, composed(["drafter=x", override], CONF / "inference"))

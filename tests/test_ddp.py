@@ -78,7 +78,7 @@ def train(target_dir: str, devices: int, max_steps: int, run_dir: Path, resume: 
     data = TextDataModule(data_cfg, corpus(), target.tokenizer, seed=0)
     data.setup("fit")
     counts = draft_vocab.count_tokens(data.train_rows, data.train_mask, target.vocab_size)
-    drafter = Eagle3Drafter.from_target(Eagle3Config(num_speculative_tokens=2, draft_vocab_size=DRAFT), target, counts)
+    drafter = Eagle3Drafter.from_target(Eagle3Config(depth=2, draft_vocab_size=DRAFT), target, counts)
     module = DrafterModule(drafter, target, OptimConfig(lr=1e-2, warmup_steps=2), max_steps=6)
     record = Record()
     cfg = TrainerConfig(max_steps=max_steps, devices=devices, strategy=strategy if devices > 1 else "auto",
@@ -89,7 +89,7 @@ def train(target_dir: str, devices: int, max_steps: int, run_dir: Path, resume: 
 
 
 def test_trainer_ddp_config_and_its_bad_values():
-    recipe, _ = typed(composed(["conf=eagle3", "trainer=ddp"]))
+    recipe, _ = typed(composed(["conf=eagle3_pycode", "trainer=ddp"]))
     trainer = recipe.trainer
     assert (trainer.strategy, trainer.accelerator, trainer.devices, trainer.num_nodes) == ("ddp", "cpu", 2, 1)
     assert trainer.max_steps == 600  # the recipe's own settings still apply
@@ -97,7 +97,7 @@ def test_trainer_ddp_config_and_its_bad_values():
                                                          "auto, ddp, fsdp"),
                               ("trainer.num_nodes=0", "trainer.num_nodes=0 is not valid: must be >= 1")]:
         with pytest.raises(UserError, match=re.escape(message)):
-            typed(composed(["conf=eagle3", "trainer=ddp", override]))
+            typed(composed(["conf=eagle3_pycode", "trainer=ddp", override]))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -141,11 +141,11 @@ def test_train_py_with_trainer_ddp_runs_two_processes_and_exports_once(strategy,
     path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
     run_dir, steps, batch, seq_len = tmp_path / "run", 2, 2, 64
     result = run_train([
-        "conf=eagle3", f"trainer={strategy}", "data=text", f"data.path={path}", f"data.seq_len={seq_len}",
+        "conf=eagle3_pycode", f"trainer={strategy}", "data=text", f"data.path={path}", f"data.seq_len={seq_len}",
         f"data.batch_size={batch}", "data.max_val_sequences=2", f"trainer.max_steps={steps}", "logger=none",
         f"hydra.run.dir={run_dir}", f"target.name_or_path={llama_dir}",
         "target.layer_ids=[" + ",".join(map(str, LAYER_IDS)) + "]", "drafter.draft_vocab_size=96",
-        "drafter.num_speculative_tokens=2", f"serve_eval.every_n_steps={steps if strategy == 'fsdp' else 0}",
+        "drafter.depth=2", f"serve_eval.every_n_steps={steps if strategy == 'fsdp' else 0}",
         "serve_eval.max_new_tokens=8", f"trainer.val_every_n_steps={steps}",
         f"trainer.checkpoint_every_n_steps={steps}", "trainer.progress_bar=false",
     ], cwd=tmp_path, timeout=600)

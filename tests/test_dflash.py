@@ -62,7 +62,7 @@ def test_shapes_and_what_is_frozen(target, text_batch):
     H, heads = c.hidden_size, c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or H // heads
     drafter = make_dflash(target, text_batch, num_layers=2)
-    assert family("dflash") is DFlashDrafter and drafter.num_speculative_tokens == B - 1
+    assert family("dflash") is DFlashDrafter and drafter.depth == B - 1
     assert drafter.fc.weight.shape == (H, 3 * H) and drafter.fc.bias is None and drafter.hidden_norm.weight.shape == (H,)
     for layer in drafter.layers:
         assert layer.self_attn.q_proj.weight.shape == (heads * head_dim, H)
@@ -353,5 +353,6 @@ def test_train_dflash_end_to_end(llama_dir, tmp_path):
     config = json.loads((run_dir / "export" / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash" and config["block_size"] == 4
     report = json.loads((run_dir / "acceptance" / "report.json").read_text())
-    assert report["outputs_match_baseline"] is True and len(report["acceptance_rate_per_position"]) == 3
+    assert list(report["k_sweep"]) == ["1", "3"]  # the recipe's ks=[1, 3, 7] up to the block's 3 drafts
+    assert report["outputs_match_baseline"] is True and len(report["acceptance_rate_per_position"]) == report["config"]["k"]
     assert len(report["offline_accuracy_per_step"]) == 3

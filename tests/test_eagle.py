@@ -39,7 +39,7 @@ EAGLE_WEIGHTS = {
 
 def make_eagle(target, seed: int = 0, **fields) -> EagleDrafter:
     torch.manual_seed(seed)
-    return EagleDrafter.from_target(EagleConfig(**{"num_speculative_tokens": K, **fields}), target,
+    return EagleDrafter.from_target(EagleConfig(**{"depth": K, **fields}), target,
                                     torch.ones(target.vocab_size))
 
 
@@ -93,7 +93,7 @@ def test_parameter_shapes_and_full_vocabulary(target):
     assert drafter.t2d.dtype == torch.bool and drafter.t2d.shape == (V,) and bool(drafter.t2d.all())
     assert torch.equal(drafter.draft_to_target, torch.arange(V))
     assert drafter.layer_ids == [] and drafter.target_hidden_size == H
-    assert FAMILIES["eagle"] is EagleDrafter and drafter.num_speculative_tokens == K
+    assert FAMILIES["eagle"] is EagleDrafter and drafter.depth == K
 
 
 def test_embeddings_and_lm_head_are_frozen_copies_of_the_target(target):
@@ -140,7 +140,7 @@ def test_output_shapes(target, text_batch):
 
 
 def test_config_rejects_bad_values():
-    for fields, key in (({"num_speculative_tokens": 0}, "drafter.num_speculative_tokens"),
+    for fields, key in (({"depth": 0}, "drafter.depth"),
                         ({"regression_weight": -1.0}, "drafter.regression_weight"),
                         ({"input_noise": -0.1}, "drafter.input_noise"),
                         ({"regression_weight": 0.0, "distillation_weight": 0.0}, "drafter.distillation_weight")):
@@ -276,7 +276,7 @@ def test_served_chain_equals_the_validation_unroll(target, text_batch):
 
 
 def test_eagle_export_round_trip(target, text_batch, tmp_path):
-    drafter = trained(target, text_batch, steps=3, num_speculative_tokens=4)
+    drafter = trained(target, text_batch, steps=3, depth=4)
     out_dir = export.save(drafter, tmp_path / "export", Verifier("org/base-model", ["LlamaForCausalLM"]))
     config = json.loads((out_dir / "config.json").read_text())
     assert export.format_of(config) == "eagle"
@@ -293,7 +293,7 @@ def test_eagle_export_round_trip(target, text_batch, tmp_path):
 
     loaded, verifier = export.load(out_dir)
     assert verifier == "org/base-model"
-    assert isinstance(loaded, EagleDrafter) and loaded.cfg.num_speculative_tokens == 4
+    assert isinstance(loaded, EagleDrafter) and loaded.cfg.depth == 4
     original, again = drafter.state_dict(), loaded.state_dict()
     assert set(original) == set(again)
     assert all(torch.equal(again[name], tensor) for name, tensor in original.items())
@@ -357,7 +357,7 @@ def test_train_eagle_through_the_cli(llama_dir, tmp_path):
     layer_ids = "[" + ",".join(map(str, LAYER_IDS)) + "]"  # the default layer ids do not fit a 4-layer target
     result = run_train([
         "conf=eagle", "trainer.max_steps=3", "logger=none", f"hydra.run.dir={run_dir}",
-        f"target.name_or_path={llama_dir}", f"target.layer_ids={layer_ids}", f"drafter.num_speculative_tokens={K}",
+        f"target.name_or_path={llama_dir}", f"target.layer_ids={layer_ids}", f"drafter.depth={K}",
         "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2", "trainer.val_every_n_steps=3",
         "trainer.checkpoint_every_n_steps=3", "trainer.num_threads=1", "trainer.progress_bar=false",
         "serve_eval.every_n_steps=0",
@@ -370,5 +370,6 @@ def test_train_eagle_through_the_cli(llama_dir, tmp_path):
     assert isinstance(drafter, EagleDrafter) and verifier == str(llama_dir)
     report = json.loads((run_dir / "acceptance" / "report.json").read_text())
     assert report["outputs_match_baseline"] is True
-    for curve in (report["acceptance_rate_per_position"], report["offline_accuracy_per_step"]):
-        assert len(curve) == K and all(0.0 <= a <= 1.0 for a in curve)
+    for curve, length in ((report["acceptance_rate_per_position"], report["config"]["k"]),
+                          (report["offline_accuracy_per_step"], K)):
+        assert len(curve) == length and all(0.0 <= a <= 1.0 for a in curve)

@@ -172,7 +172,7 @@ def test_ttt_attention_ignores_future_and_other_positions_of_later_steps():
 
 def test_drafter_logits_do_not_see_the_future(target, make_drafter, text_batch):
     """Step j at position t may read tokens up to t+1+j and target features up to t, nothing later."""
-    drafter = make_drafter(target, num_speculative_tokens=3)
+    drafter = make_drafter(target, depth=3)
     ids = text_batch[:1, :24]
     out = target(ids)
     steps, handle = capture_logits(drafter)
@@ -200,7 +200,7 @@ def test_drafter_logits_do_not_see_the_future(target, make_drafter, text_batch):
 
 def test_later_steps_read_the_previous_step_output(target, make_drafter, text_batch):
     """Step 0's hidden input is fc(target features); step j > 0's is the drafter's own step j-1 output."""
-    drafter = make_drafter(target, num_speculative_tokens=3)
+    drafter = make_drafter(target, depth=3)
     layer = drafter.layers[0]
     hidden_in, hidden_out = [], []
     hooks = [layer.hidden_norm.register_forward_pre_hook(lambda m, args: hidden_in.append(args[0])),
@@ -230,7 +230,7 @@ def test_step_j_uses_rotary_positions_shifted_by_j(target, make_drafter, text_ba
         return real(positions, *args, **kwargs)
 
     monkeypatch.setattr(eagle3, "rotary", recording)
-    drafter = make_drafter(target, num_speculative_tokens=4)
+    drafter = make_drafter(target, depth=4)
     with torch.no_grad():
         drafter.training_loss(target(text_batch), text_batch, torch.ones_like(text_batch))
     T = text_batch.shape[1]
@@ -244,7 +244,7 @@ def test_step_j_uses_rotary_positions_shifted_by_j(target, make_drafter, text_ba
 
 def test_training_loss_falls_on_a_fixed_batch(target, make_drafter, text_batch):
     steps_n, decay = 3, 0.8
-    drafter = make_drafter(target, num_speculative_tokens=steps_n, step_decay=decay)
+    drafter = make_drafter(target, depth=steps_n, step_decay=decay)
     out = target(text_batch)
     mask = torch.ones_like(text_batch)
     # The loss is a soft cross-entropy: its floor is the entropy of the renormalised target
@@ -270,7 +270,7 @@ def test_training_loss_falls_on_a_fixed_batch(target, make_drafter, text_batch):
 
 
 def test_loss_is_the_decayed_sum_of_step_losses(target, make_drafter, text_batch):
-    drafter = make_drafter(target, num_speculative_tokens=4, step_decay=0.5)
+    drafter = make_drafter(target, depth=4, step_decay=0.5)
     loss, metrics = drafter.training_loss(target(text_batch), text_batch, torch.ones_like(text_batch))
     weighted = sum(0.5**j * metrics[f"loss_step{j}"] for j in range(4))
     torch.testing.assert_close(loss.detach(), weighted)
@@ -278,7 +278,7 @@ def test_loss_is_the_decayed_sum_of_step_losses(target, make_drafter, text_batch
 
 
 def test_step0_loss_is_soft_cross_entropy_to_the_renormalised_target(target, make_drafter, text_batch):
-    drafter = make_drafter(target, num_speculative_tokens=1)
+    drafter = make_drafter(target, depth=1)
     out = target(text_batch)
     steps, handle = capture_logits(drafter)
     with torch.no_grad():
@@ -296,7 +296,7 @@ def test_step0_loss_is_soft_cross_entropy_to_the_renormalised_target(target, mak
 
 def test_positions_outside_draft_vocab_and_unmasked_get_no_gradient(target, make_drafter, text_batch):
     steps_n = 3
-    drafter = make_drafter(target, num_speculative_tokens=steps_n)
+    drafter = make_drafter(target, depth=steps_n)
     out = target(text_batch)
     kept = torch.nonzero(drafter.t2d).flatten()
     outside = int(torch.nonzero(~drafter.t2d)[0])
@@ -323,7 +323,7 @@ def test_positions_outside_draft_vocab_and_unmasked_get_no_gradient(target, make
 
 
 def test_loss_ignores_target_distribution_where_argmax_is_outside(target, make_drafter, text_batch):
-    drafter = make_drafter(target, num_speculative_tokens=3)
+    drafter = make_drafter(target, depth=3)
     out = target(text_batch)
     outside = torch.nonzero(~drafter.t2d).flatten()
     logits = out.logits.clone()
@@ -345,7 +345,7 @@ def test_loss_ignores_target_distribution_where_argmax_is_outside(target, make_d
 
 
 def test_all_argmaxes_outside_draft_vocab_give_zero_loss(target, make_drafter, text_batch):
-    drafter = make_drafter(target, num_speculative_tokens=3)
+    drafter = make_drafter(target, depth=3)
     out = target(text_batch)
     logits = out.logits.clone()
     logits[..., int(torch.nonzero(~drafter.t2d)[0])] = logits.max() + 5
@@ -358,7 +358,7 @@ def test_all_argmaxes_outside_draft_vocab_give_zero_loss(target, make_drafter, t
 
 
 def test_zero_loss_mask_gives_zero_loss_and_no_gradient(target, make_drafter, text_batch):
-    drafter = make_drafter(target, num_speculative_tokens=2)
+    drafter = make_drafter(target, depth=2)
     loss, metrics = drafter.training_loss(target(text_batch), text_batch, torch.zeros_like(text_batch))
     assert float(loss.detach()) == 0.0
     loss.backward()
@@ -368,7 +368,7 @@ def test_zero_loss_mask_gives_zero_loss_and_no_gradient(target, make_drafter, te
 
 def test_per_step_accuracies(target, make_drafter, text_batch):
     steps_n = 4
-    drafter = make_drafter(target, num_speculative_tokens=steps_n)
+    drafter = make_drafter(target, depth=steps_n)
     out = target(text_batch)
     mask = torch.ones_like(text_batch)
     mask[1, :10] = 0
@@ -395,7 +395,7 @@ def test_per_step_accuracies(target, make_drafter, text_batch):
 
 def test_accuracy_is_one_when_the_drafter_copies_the_target(target, make_drafter, text_batch):
     """A target whose argmax is the same draft-vocab token everywhere, and a drafter biased to it."""
-    drafter = make_drafter(target, num_speculative_tokens=3)
+    drafter = make_drafter(target, depth=3)
     out = target(text_batch)
     token = int(drafter.draft_to_target[7])
     logits = out.logits.clone()

@@ -464,7 +464,7 @@ def test_prompt_longer_than_the_context_is_a_user_error(llama_target, make_draft
                                     {"norm_before_fc": True, "norm_output": True}])  # the last two: EAGLE-3.1
 def test_step_equals_the_training_time_test_unroll(target, make_drafter, text_batch, fields):
     steps_n, T = 4, 32
-    drafter = make_drafter(target, num_speculative_tokens=steps_n, **fields)
+    drafter = make_drafter(target, depth=steps_n, **fields)
     ids = text_batch[:, :T]
     B = ids.shape[0]
     out = target(ids)
@@ -590,16 +590,32 @@ def test_chain_min_prob_is_refused_where_it_does_not_apply(llama_target, make_dr
 
 
 def test_k_beyond_the_trained_depth_is_served_and_said(llama_target, make_drafter, text_batch, capsys):
-    """num_speculative_tokens above the depth the drafter was trained for: one line says so, decoding goes on
+    """k above the depth the drafter was trained for: one line says so, decoding goes on
     at that K, and the output is still the target's own."""
-    from inference.drafting import speculative_tokens
+    from inference.drafting import serving_k
 
     drafter = make_drafter(llama_target).eval()  # trained for 3 draft tokens
-    assert speculative_tokens(drafter, None) == 3 and capsys.readouterr().out == ""
-    assert speculative_tokens(drafter, 5) == 5
+    assert serving_k(drafter, None) == 3 and capsys.readouterr().out == ""
+    assert serving_k(drafter, 5) == 5
     said = capsys.readouterr().out.strip().splitlines()
     assert len(said) == 1 and "beyond the 3 draft tokens this drafter was trained for" in said[0]
     prompt = text_batch[0, :12].tolist()
     deeper = engine.generate(llama_target, drafter, prompt, 16, k=5)
     assert deeper.tokens == engine.generate(llama_target, None, prompt, 16, k=0).tokens
     assert deeper.stats.num_draft_tokens == 5 * deeper.stats.num_drafts
+
+
+def test_one_rule_for_k_the_drafter_s_own_its_measured_best_and_beyond_its_depth(llama_target, make_drafter):
+    """No K: the K its export recorded as fastest, else its depth. Above the depth: served where the family
+    drafts further (EAGLE chains), refused in one line where it cannot (Medusa's heads)."""
+    from inference.drafting import serving_k
+    from speculators.medusa import MedusaConfig, MedusaDrafter
+
+    drafter = make_drafter(llama_target)  # depth 3
+    assert serving_k(drafter, None) == 3
+    drafter.best_k = 2
+    assert serving_k(drafter, None) == 2 and serving_k(drafter, 3) == 3
+    medusa = MedusaDrafter(MedusaConfig(depth=2), llama_target.hidden_size, llama_target.vocab_size)
+    assert serving_k(medusa, None) == 2
+    with pytest.raises(UserError, match="k=3: this MedusaDrafter drafts at most 2 tokens"):
+        serving_k(medusa, 3)

@@ -51,18 +51,54 @@ def test_the_file_set_reads_strings_and_lists_of_turns(tmp_path):
                                                                                          ["first", "second"]]
 
 
+LAYOUTS = {  # each layout users have, and the user turns it holds
+    "prompt": ({"prompt": "one prompt"}, ["one prompt"]),
+    "mtbench": ({"question_id": 81, "category": "writing", "turns": ["first", "second"]}, ["first", "second"]),
+    "openai": ({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first"},
+                             {"role": "assistant", "content": "an answer"}, {"role": "user", "content": "second"}]},
+               ["first", "second"]),
+    "sharegpt": ({"id": "x1", "conversations": [{"from": "human", "value": "first"}, {"from": "gpt", "value": "an answer"},
+                                                {"from": "human", "value": "second"}]}, ["first", "second"]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_file_set_reads_the_layouts_users_have(tmp_path, layout):
+    record, turns = LAYOUTS[layout]
+    path = jsonl(tmp_path / "p.jsonl", json.dumps(record), json.dumps("a bare prompt"))
+    assert evalsets.conversations(EvalConfig("file", path=path, turns=2)) == [turns, ["a bare prompt"]]
+
+
+def test_a_json_file_holds_a_list_of_records(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps([record for record, _ in LAYOUTS.values()]))
+    assert evalsets.conversations(EvalConfig("file", path=str(path), turns=2)) == [t for _, t in LAYOUTS.values()]
+    path.write_text(json.dumps([{"prompt": "fine"}, {"text": "no layout"}]))
+    with pytest.raises(UserError, match=r"record 2 is in none of the layouts"):
+        evalsets.conversations(EvalConfig("file", path=str(path)))
+    path.write_text(json.dumps({"prompt": "a lone record"}))
+    with pytest.raises(UserError, match="must hold a list of records, got a JSON dict"):
+        evalsets.conversations(EvalConfig("file", path=str(path)))
+
+
 @pytest.mark.parametrize("bad, says", [
-    ("not json", "line 2 is not JSON"),
-    (json.dumps({"turns": ["a"]}), "line 2 must be a JSON string or a list of strings"),
-    (json.dumps([]), "line 2 must be"),
-    (json.dumps(["a", 3]), "line 2 must be"),
+    ("not json", "line 3 is not JSON"),
+    (json.dumps({"text": "a"}), "line 3 is in none of the layouts read here"),
+    (json.dumps({"turns": "a"}), "line 3 is in none"),
+    (json.dumps({"prompt": 3}), "line 3 is in none"),
+    (json.dumps({"messages": [{"role": "system", "content": "no user turn"}]}), "line 3 is in none"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), "line 3 is in none"),
+    (json.dumps({"conversations": ["human: a"]}), "line 3 is in none"),
+    (json.dumps([]), "line 3 is in none"),
+    (json.dumps(["a", 3]), "line 3 is in none"),
 ])
 def test_a_malformed_line_is_a_one_line_error_naming_its_number(tmp_path, bad, says):
-    path = jsonl(tmp_path / "p.jsonl", json.dumps("fine"), bad, json.dumps("fine too"))
+    path = jsonl(tmp_path / "p.jsonl", json.dumps("fine"), "", bad, json.dumps("fine too"))
     with pytest.raises(UserError) as error:
         evalsets.conversations(EvalConfig("file", path=path))
     message = str(error.value)
     assert message.startswith(f"eval.path={path}: {says}") and "\n" not in message
+    assert "not JSON" in says or all(key in message for key in ('"prompt"', '"turns"', '"messages"', '"conversations"'))
 
 
 def test_a_missing_or_empty_file_is_a_one_line_error(tmp_path):
@@ -94,6 +130,14 @@ def test_eval_data_in_the_inference_cli_is_a_one_line_error(tiny_export, tmp_pat
     line = one_line_error(*run_in_process("inference", args, monkeypatch))
     assert "eval.name=data" in line and "training run" in line
     assert not out.exists()
+
+
+def test_a_line_in_no_layout_is_one_line_from_the_cli(tiny_export, tmp_path, monkeypatch):
+    args = tiny_inference(tiny_export, tmp_path / "out")
+    prompts = tmp_path / "prompts.jsonl"
+    jsonl(prompts, json.dumps({"prompt": "fine"}), json.dumps({"question": "no layout"}))
+    error = one_line_error(*run_in_process("inference", args, monkeypatch))
+    assert f"eval.path={prompts}: line 2 is in none of the layouts" in error
 
 
 def test_turn_two_follows_the_target_s_answer_to_turn_one(chat_target, two_turns):
@@ -131,7 +175,7 @@ def test_the_chat_sets_still_need_a_chat_template(llama_target):
 
 
 def test_measure_reports_figures_per_turn(chat_target, make_drafter, two_turns):
-    drafter = make_drafter(chat_target).eval()  # num_speculative_tokens=3
+    drafter = make_drafter(chat_target).eval()  # k=3
     prompts = evalsets.prompts(two_turns, chat_target, NEW_TOKENS)
     result = report.measure(chat_target, drafter, prompts, report.InferenceConfig(drafter="unused",
                                                                                  max_new_tokens=NEW_TOKENS))
@@ -141,7 +185,7 @@ def test_measure_reports_figures_per_turn(chat_target, make_drafter, two_turns):
     assert sum(result["per_turn"][t]["num_drafts"] for t in ("1", "2")) == result["num_drafts"]
     for figures in (result, *result["per_turn"].values()):
         assert len(figures["acceptance_rate_per_position"]) == 3  # the drafter's own K
-    assert result["config"]["num_speculative_tokens"] == 3 and result["outputs_match_baseline"] is True
+    assert result["config"]["k"] == 3 and result["outputs_match_baseline"] is True
     assert "turn 2: tau" in report.table(result)
     one_turn = report.measure(chat_target, drafter, prompts[:2], report.InferenceConfig(drafter="unused",
                                                                                         max_new_tokens=NEW_TOKENS))

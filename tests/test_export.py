@@ -29,7 +29,7 @@ def trained_a_little(drafter, target, ids, steps=3):
                                     {"norm_before_fc": True, "norm_output": True},  # these two: EAGLE-3.1
                                     {"intermediate_size": 80}])  # an MLP wider than the target's
 def test_save_load_round_trip(target, make_drafter, text_batch, tmp_path, fields):
-    drafter = trained_a_little(make_drafter(target, num_speculative_tokens=4, **fields), target, text_batch)
+    drafter = trained_a_little(make_drafter(target, depth=4, **fields), target, text_batch)
     out_dir = export.save(drafter, tmp_path / "export", Verifier("org/verifier-model", ["SomeForCausalLM"]))
     assert out_dir == tmp_path / "export"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no partial folder left behind
@@ -67,7 +67,7 @@ def test_save_load_round_trip(target, make_drafter, text_batch, tmp_path, fields
 def test_bf16_export_without_embeddings_takes_the_targets(llama_target, make_drafter, text_batch, tmp_path):
     """The shipped form: bfloat16 weights, embed_tokens left out (the target's own); loaded back and given
     the target's embeddings it drafts what the bf16-rounded drafter drafts."""
-    drafter = trained_a_little(make_drafter(llama_target, num_speculative_tokens=2), llama_target, text_batch)
+    drafter = trained_a_little(make_drafter(llama_target, depth=2), llama_target, text_batch)
     out_dir = export.save(drafter, tmp_path / "lean", Verifier.of(llama_target), dtype="bfloat16",
                           shared_embedding=True)
     with safe_open(str(out_dir / "model.safetensors"), "pt") as f:
@@ -91,7 +91,7 @@ def test_bf16_export_without_embeddings_takes_the_targets(llama_target, make_dra
 
 
 def test_config_and_tensors_in_the_export(target, make_drafter, tmp_path):
-    drafter = make_drafter(target, num_speculative_tokens=3)
+    drafter = make_drafter(target, depth=3)
     out_dir = export.save(drafter, tmp_path / "export", Verifier("/models/my-target", Verifier.of(target).architectures))
     config = json.loads((out_dir / "config.json").read_text())
     V, N = target.vocab_size, DRAFT_VOCAB
@@ -201,7 +201,7 @@ def test_load_refuses_other_model_types_and_missing_files(llama_target, make_dra
 def test_eagle3_original_format_round_trip_serves_identically(llama_target, make_drafter, text_batch, tmp_path):
     from inference.engine import generate
 
-    drafter = trained_a_little(make_drafter(llama_target, num_speculative_tokens=3), llama_target, text_batch).eval()
+    drafter = trained_a_little(make_drafter(llama_target, depth=3), llama_target, text_batch).eval()
     out_dir = export.save(drafter, tmp_path / "sglang", Verifier.of(llama_target), fmt="eagle3")
     config = json.loads((out_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
@@ -231,7 +231,7 @@ def test_eagle3_original_format_refuses_what_it_cannot_hold(llama_target, make_d
                     fmt="eagle3")
     from speculators.medusa import MedusaConfig, MedusaDrafter
 
-    medusa = MedusaDrafter(MedusaConfig(num_speculative_tokens=2), llama_target.hidden_size, llama_target.vocab_size)
+    medusa = MedusaDrafter(MedusaConfig(depth=2), llama_target.hidden_size, llama_target.vocab_size)
     for fmt in ("speculators", "eagle3", "eagle"):
         with pytest.raises(UserError, match=f"the {fmt} format holds .* not medusa"):
             export.save(medusa, tmp_path / "e", Verifier("v", []), fmt=fmt)

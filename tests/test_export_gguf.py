@@ -197,7 +197,7 @@ def test_refuses_what_llamacpp_cannot_serve(llama_target, llama_dir, make_drafte
     from speculators.medusa import MedusaConfig, MedusaDrafter
 
     out = tmp_path / "d.gguf"
-    medusa = MedusaDrafter(MedusaConfig(num_speculative_tokens=2), llama_target.hidden_size, llama_target.vocab_size)
+    medusa = MedusaDrafter(MedusaConfig(depth=2), llama_target.hidden_size, llama_target.vocab_size)
     for drafter in (medusa, make_peagle(llama_target, text_batch)):
         with pytest.raises(UserError, match="the gguf format holds eagle3 drafters, not"):
             export.save(drafter, out, Verifier(str(llama_dir), []), fmt="gguf")
@@ -283,7 +283,7 @@ def test_llamacpp_bench_runs_both_engines_on_the_same_prompts(gguf_target, make_
     counters and ours for the same drafter, K and prompts."""
     path, target = gguf_target
     cfg = llamacpp_bench.LlamacppBenchConfig(drafter="unused", max_new_tokens=16, repeats=1,
-                                             num_speculative_tokens=3)
+                                             k=3)
     prompts = evalsets.prompts_of([["def f(x):"], ["import os"]], None, target, cfg.max_new_tokens)
     draft = export.save(make_drafter(target), tmp_path / "d.gguf", Verifier.of(target), fmt="gguf")
     result = llamacpp_bench.run(target, make_drafter(target), prompts, cfg, draft)

@@ -29,7 +29,7 @@ TOLERANCE = {"float32": 0.0, "bfloat16": 3e-4, "float8_e4m3": 1e-2}
 
 def recipe_for(target_dir, data_file, cache_dir, *overrides):
     recipe, _ = typed(composed([
-        "conf=eagle3", "data=text", f"data.path={data_file}", f"data.seq_len={SEQ_LEN}", "data.batch_size=2",
+        "conf=eagle3_pycode", "data=text", f"data.path={data_file}", f"data.seq_len={SEQ_LEN}", "data.batch_size=2",
         "data.max_val_sequences=4", "data.hidden_states=cache", f"data.cache_dir={cache_dir}",
         f"target.name_or_path={target_dir}", "target.layer_ids=[" + ",".join(map(str, LAYER_IDS)) + "]", *overrides]))
     return recipe
@@ -219,7 +219,7 @@ def test_the_target_without_layers_refuses_to_run(llama_dir, llama_target, text_
 
 
 def test_build_then_train_from_the_cache_on_the_command_line(llama_dir, data_file, tmp_path):
-    common = ["conf=eagle3", "data=text", f"data.path={data_file}", f"data.seq_len={SEQ_LEN}", "data.batch_size=2",
+    common = ["conf=eagle3_pycode", "data=text", f"data.path={data_file}", f"data.seq_len={SEQ_LEN}", "data.batch_size=2",
               "data.max_val_sequences=2", "data.hidden_states=cache", f"data.cache_dir={tmp_path / 'cache'}",
               f"target.name_or_path={llama_dir}", "target.layer_ids=[" + ",".join(map(str, LAYER_IDS)) + "]",
               "trainer.num_threads=1", "logger=none"]
@@ -229,7 +229,7 @@ def test_build_then_train_from_the_cache_on_the_command_line(llama_dir, data_fil
     assert built.returncode == 0, built.stderr[-3000:]
     assert "bytes per token" in built.stdout.splitlines()[-1]
 
-    train = common + ["trainer.max_steps=2", "drafter.num_speculative_tokens=2", "drafter.draft_vocab_size=64",
+    train = common + ["trainer.max_steps=2", "drafter.depth=2", "drafter.draft_vocab_size=64",
                       "trainer.val_every_n_steps=2", "trainer.checkpoint_every_n_steps=2", "trainer.progress_bar=false",
                       f"hydra.run.dir={tmp_path / 'run'}"]
     refused = run_train(train, cwd=tmp_path, timeout=600)  # eagle3.yaml serves the drafter every 100 steps

@@ -15,7 +15,7 @@ def make(name: str, target, text_batch, **fields):
     cls = FAMILIES[name]
     known = cls.config_class.__dataclass_fields__
     sized = {"draft_vocab_size": DRAFT_VOCAB} if "draft_vocab_size" in known else {}
-    sized |= {"num_speculative_tokens": 3} if "num_speculative_tokens" in known else {"block_size": 4}  # DFlash: K = B-1
+    sized |= {"depth": 3} if "depth" in known else {"block_size": 4}  # DFlash: K = B-1
     counts = draft_vocab.count_tokens(text_batch, torch.ones_like(text_batch), target.vocab_size)
     torch.manual_seed(0)
     return cls.from_target(cls.config_class(**sized, **fields), target, counts)

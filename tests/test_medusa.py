@@ -31,7 +31,7 @@ def make_medusa(target, seed: int = 0, perturb: bool = True, **fields) -> Medusa
     """A Medusa drafter for `target`; `perturb` adds noise to every weight, so that no head is the
     identity or the lm_head (which would hide a wrong head, shift or weight)."""
     torch.manual_seed(seed)
-    drafter = MedusaDrafter.from_target(MedusaConfig(**{"num_speculative_tokens": K, **fields}), target,
+    drafter = MedusaDrafter.from_target(MedusaConfig(**{"depth": K, **fields}), target,
                                         torch.ones(target.vocab_size))
     if perturb:
         with torch.no_grad():
@@ -66,7 +66,7 @@ def test_the_recipe_mirrors_the_config_and_the_family_is_registered():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("num_speculative_tokens", 0), ("num_layers", 0), ("head_decay", 0.0), ("head_decay", 1.5), ("head_decay", math.inf),
+    ("depth", 0), ("num_layers", 0), ("head_decay", 0.0), ("head_decay", 1.5), ("head_decay", math.inf),
     ("head_decay", math.nan), ("loss", "mse"), ("tree_choices", []), ("tree_choices", [[]]),
     ("tree_choices", [[0], [-1]]), ("tree_choices", [[0], [0]]), ("tree_choices", [[0, 0], [0]]),
     ("tree_choices", [1, 2]), ("tree_choices", [[0.5]]), ("tree_choices", [[True]]), ("tree_choices", [["a"]]),
@@ -82,7 +82,7 @@ def test_bad_config_values_are_one_line_errors_naming_the_key(field, value):
 def test_default_tree_is_a_16_node_tree_over_3_heads():
     cfg = MedusaConfig()
     assert cfg.tree_choices == DEFAULT_TREE and len(DEFAULT_TREE) == 16
-    assert MedusaConfig(num_speculative_tokens=1).tree_choices == DEFAULT_TREE  # deeper paths are simply not drafted
+    assert MedusaConfig(depth=1).tree_choices == DEFAULT_TREE  # deeper paths are simply not drafted
     assert [sum(len(path) == d for path in DEFAULT_TREE) for d in (1, 2, 3)] == [6, 8, 2]
 
 
@@ -97,7 +97,7 @@ def test_parameter_shapes_and_full_vocabulary(target, num_layers):
             expected[f"heads.{k}.{layer}.linear.bias"] = (H,)
         expected[f"heads.{k}.{num_layers}.weight"] = (V, H)
     assert {name: tuple(t.shape) for name, t in drafter.state_dict().items()} == expected  # no maps saved
-    assert drafter.num_speculative_tokens == K and drafter.layer_ids == [] and drafter.target_hidden_size == H
+    assert drafter.depth == K and drafter.layer_ids == [] and drafter.target_hidden_size == H
     assert torch.equal(drafter.d2t, torch.zeros(V, dtype=torch.long)) and bool(drafter.t2d.all())
     assert torch.equal(drafter.draft_to_target, torch.arange(V))
     assert drafter.head_logits(torch.randn(2, H)).shape == (2, K, V)
@@ -190,7 +190,7 @@ def test_export_round_trip_gives_back_a_drafter_that_serves_identically(target, 
 
     loaded, verifier = export.load(path)
     assert isinstance(loaded, MedusaDrafter) and verifier == target.name_or_path
-    assert loaded.cfg.tree_choices == TREE and loaded.cfg.num_layers == 2 and loaded.num_speculative_tokens == K
+    assert loaded.cfg.tree_choices == TREE and loaded.cfg.num_layers == 2 and loaded.depth == K
     original, restored = drafter.state_dict(), loaded.state_dict()
     assert original.keys() == restored.keys() and all(torch.equal(original[n], restored[n]) for n in original)
     x = target(text_batch).last_hidden[:, -1]
@@ -248,7 +248,7 @@ def test_chain_drafts_are_each_heads_argmax_at_the_last_verified_position(target
 
     short, _ = prefilled(MedusaChainProposer, drafter, target, prompt, k=2)
     assert short.propose(0.0, torch.Generator()).tokens == draft.tokens[:2]
-    with pytest.raises(UserError, match=f"num_speculative_tokens={K + 1}"):
+    with pytest.raises(UserError, match=f"k={K + 1}"):
         MedusaChainProposer(drafter, K + 1, target.vocab_size, 128, DraftingConfig())
 
 
@@ -330,7 +330,7 @@ def test_train_medusa_through_the_cli(llama_dir, tmp_path):
     run_dir = tmp_path / "run"
     result = run_train([
         "conf=medusa", "trainer.max_steps=3", "logger=none", f"hydra.run.dir={run_dir}",
-        f"target.name_or_path={llama_dir}", f"drafter.num_speculative_tokens={K}", "data.seq_len=64", "data.batch_size=2",
+        f"target.name_or_path={llama_dir}", f"drafter.depth={K}", "data.seq_len=64", "data.batch_size=2",
         "data.max_val_sequences=2", "trainer.val_every_n_steps=3", "trainer.checkpoint_every_n_steps=3",
         "trainer.num_threads=1", "trainer.progress_bar=false", "serve_eval.every_n_steps=0",
     ], cwd=tmp_path, timeout=900)
@@ -344,7 +344,9 @@ def test_train_medusa_through_the_cli(llama_dir, tmp_path):
     assert json.loads((export_dir / "training.json").read_text())["family"] == "medusa"
     report = json.loads((run_dir / "acceptance" / "report.json").read_text())
     assert report["outputs_match_baseline"] is True
-    for curve in (report["acceptance_rate_per_position"], report["offline_accuracy_per_step"]):
-        assert len(curve) == K and all(0.0 <= a <= 1.0 for a in curve)
+    assert list(report["k_sweep"]) == [str(k) for k in range(1, K + 1)]  # the closing report's K, 1 to the depth
+    for curve, length in ((report["acceptance_rate_per_position"], report["config"]["k"]),
+                          (report["offline_accuracy_per_step"], K)):
+        assert len(curve) == length and all(0.0 <= a <= 1.0 for a in curve)
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert checkpoint["state_dict"] and all(name.startswith("drafter.heads.") for name in checkpoint["state_dict"])

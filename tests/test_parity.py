@@ -26,7 +26,7 @@ def run_dir(llama_target, make_drafter, text_batch, tmp_path_factory):
     continuations = [generate(llama_target, None, p, 30, k=0).tokens for p in prompts]
     length = min(len(p) + len(c) for p, c in zip(prompts, continuations))
     ids = torch.tensor([(p + c)[:length] for p, c in zip(prompts, continuations)])
-    drafter = make_drafter(llama_target, num_speculative_tokens=3, draft_vocab_size=llama_target.vocab_size)
+    drafter = make_drafter(llama_target, depth=3, draft_vocab_size=llama_target.vocab_size)
     out = llama_target(ids)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(120):
@@ -38,7 +38,7 @@ def run_dir(llama_target, make_drafter, text_batch, tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     export.save(drafter, root / "export", export.Verifier.of(llama_target))
     texts = [llama_target.tokenizer.decode(p) for p in prompts]
-    cfg = report.InferenceConfig(drafter=str(root / "export"), max_new_tokens=30, num_speculative_tokens=3)
+    cfg = report.InferenceConfig(drafter=str(root / "export"), max_new_tokens=30, k=3)
     result = report.measure(llama_target, drafter, evalsets.prompts_of([[t] for t in texts], None, llama_target, 30),
                             cfg)
     assert result["acceptance_length"] > 1.5  # the checks below need a drafter that is accepted

@@ -28,7 +28,7 @@ def make_peagle(target, text_batch, seed: int = 0, **fields) -> PEagleDrafter:
     """A P-EAGLE drafter whose draft vocab is the batch's top tokens, with random mask_hidden and
     mask embedding (both start as constants, which would hide mistakes in how they are used)."""
     torch.manual_seed(seed)
-    fields = {"num_speculative_tokens": K, "draft_vocab_size": DRAFT_VOCAB, **fields}
+    fields = {"depth": K, "draft_vocab_size": DRAFT_VOCAB, **fields}
     counts = draft_vocab.count_tokens(text_batch, torch.ones_like(text_batch), target.vocab_size)
     drafter = PEagleDrafter.from_target(PEagleConfig(**fields), target, counts)
     with torch.no_grad():
@@ -44,7 +44,7 @@ def dense_reference(drafter: PEagleDrafter, target_out: TargetOutput, input_ids:
     t+1 and fc(target features of t); depth d >= 1 the mask token and fc(mask_hidden); all at
     rotary position t+d."""
     B, T = input_ids.shape
-    depths = drafter.num_speculative_tokens
+    depths = drafter.depth
     depth, anchor = torch.arange(depths).repeat_interleave(T), torch.arange(T).repeat(depths)
     allowed = ((depth[None, :] == 0) & (anchor[None, :] <= anchor[:, None])) | (
         (anchor[None, :] == anchor[:, None]) & (depth[None, :] <= depth[:, None]))
@@ -97,7 +97,7 @@ def test_parameter_shapes(target, text_batch, num_layers):
 
 
 @pytest.mark.parametrize("field, value", [("keep_ratio", 0.0), ("keep_ratio", 1.5), ("min_keep", -0.1),
-                                          ("min_keep", 2.0), ("num_layers", 0), ("num_speculative_tokens", 0),
+                                          ("min_keep", 2.0), ("num_layers", 0), ("depth", 0),
                                           ("draft_vocab_size", 0), ("mask_token_id", -1)])
 def test_bad_config_values_are_one_line_errors(field, value):
     with pytest.raises(UserError, match=f"drafter.{field}={value}"):
@@ -194,7 +194,7 @@ def test_a_row_reads_its_context_and_its_chain_and_nothing_else(llama_target, te
 
 def test_drop_token_keeps_the_expected_fractions_and_is_conditional(llama_target, text_batch):
     depths, r, r_min = 6, 0.7, 0.2
-    drafter = make_peagle(llama_target, text_batch, num_speculative_tokens=depths, keep_ratio=r, min_keep=r_min)
+    drafter = make_peagle(llama_target, text_batch, depth=depths, keep_ratio=r, min_keep=r_min)
     torch.manual_seed(0)
     keep = drafter.kept_rows(64, 256)
     assert keep.shape == (depths, 64, 256) and keep[0].all()
@@ -384,7 +384,7 @@ def test_train_peagle_end_to_end(llama_dir, tmp_path):
     result = run_train([
         "conf=peagle", "trainer.max_steps=3", "logger=none", f"hydra.run.dir={run_dir}",
         f"target.name_or_path={llama_dir}", f"target.layer_ids={layer_ids}", "drafter.draft_vocab_size=128",
-        "drafter.num_speculative_tokens=3", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
+        "drafter.depth=3", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
         "trainer.val_every_n_steps=3", "trainer.checkpoint_every_n_steps=3", "trainer.num_threads=1",
         "trainer.progress_bar=false",
     ], cwd=tmp_path, timeout=900)
@@ -396,5 +396,6 @@ def test_train_peagle_end_to_end(llama_dir, tmp_path):
     with safe_open(str(run_dir / "export" / "model.safetensors"), "pt") as f:
         assert "mask_hidden" in set(f.keys())
     report = json.loads((run_dir / "acceptance" / "report.json").read_text())
-    assert len(report["acceptance_rate_per_position"]) == 3 and len(report["offline_accuracy_per_step"]) == 3
+    assert len(report["acceptance_rate_per_position"]) == report["config"]["k"]
+    assert len(report["offline_accuracy_per_step"]) == 3
     assert report["outputs_match_baseline"] is True

@@ -284,19 +284,19 @@ def test_quantized_target_decodes_and_speculation_is_lossless(llama_dir, llama_t
 def test_train_config_quant_int4_reaches_the_target():
     from test_config import composed, typed
 
-    recipe, _ = typed(composed(["conf=eagle3", "quant=int4", "quant.group_size=64"]))
+    recipe, _ = typed(composed(["conf=eagle3_pycode", "quant=int4", "quant.group_size=64"]))
     assert recipe.quant == QuantConfig(scheme="int4", group_size=64)
 
 
 def test_train_eagle3_against_an_int4_target(llama_dir, tmp_path):
-    """`python train.py conf=eagle3 quant=int4` trains, exports, and serves losslessly on the int4 target."""
+    """`python train.py conf=eagle3_pycode quant=int4` trains, exports, and serves losslessly on the int4 target."""
     from test_cli import run_train
 
     layer_ids = "[" + ",".join(map(str, LAYER_IDS)) + "]"
     result = run_train([
-        "conf=eagle3", "quant=int4", "trainer.max_steps=2", "logger=none", f"hydra.run.dir={tmp_path / 'run'}",
+        "conf=eagle3_pycode", "quant=int4", "trainer.max_steps=2", "logger=none", f"hydra.run.dir={tmp_path / 'run'}",
         f"target.name_or_path={llama_dir}", f"target.layer_ids={layer_ids}", "drafter.draft_vocab_size=96",
-        "drafter.num_speculative_tokens=2", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
+        "drafter.depth=2", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
         "trainer.val_every_n_steps=2", "trainer.checkpoint_every_n_steps=2", "trainer.num_threads=1",
         "trainer.progress_bar=false", "serve_eval.every_n_steps=0",
     ], cwd=tmp_path, timeout=900)

@@ -46,7 +46,7 @@ def exports(llama_target, make_drafter, tmp_path_factory) -> dict[str, Path]:
 def cfg(exports, llama_dir) -> QuantReportConfig:
     return QuantReportConfig(drafter=str(exports[FULL]), quantized_drafters={"int4": str(exports["int4"])},
                              target=str(llama_dir), schemes=["none", "int8", "int4"], self_drafts={"none": "int8"},
-                             self_draft_tokens=K, max_new_tokens=NEW_TOKENS, num_speculative_tokens=K, repeats=2)
+                             self_draft_tokens=K, max_new_tokens=NEW_TOKENS, k=K, repeats=2)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def served(target) -> list[evalsets.Prompt]:
 
 def tau_of_measure(target, drafter) -> float:
     """tau of the same pair from inference.report.measure, with the report's decoding settings."""
-    settings = report.InferenceConfig(drafter="unused", max_new_tokens=NEW_TOKENS, num_speculative_tokens=K)
+    settings = report.InferenceConfig(drafter="unused", max_new_tokens=NEW_TOKENS, k=K)
     return report.measure(target, drafter, served(target), settings)["acceptance_length"]
 
 
@@ -158,7 +158,7 @@ def test_cross_table_serves_the_drafters_it_was_given(result, loaded):
     assert cross["fp_drafter_on_fp_target"]["acceptance_length"] == tau_of_measure(targets[FULL], drafters[FULL])
     assert result["cross"]["int8"]["quantized_drafter_on_quantized_target"] is None  # none given for int8
     assert result["drafters"]["int4"] == {"path": str(result["config"]["quantized_drafters"]["int4"]),
-                                          "trained_against": "int4", "num_speculative_tokens": K}
+                                          "trained_against": "int4", "k": K}
     int8_line = next(line for line in markdown(result).splitlines() if line.startswith("| int8 |"))
     assert int8_line.endswith("| - | - |")
 
@@ -180,7 +180,7 @@ def test_self_speculation_rows_sit_beside_the_target_alone_and_the_drafter(resul
 def test_the_tables_say_how_many_tokens_each_drafter_drafts(result):
     assert markdown(result).startswith(f"{len(PROMPTS)} prompts, {NEW_TOKENS} new tokens each, greedy, {K}-token "
                                        f"chain drafts;")
-    drafters = {**result["drafters"], "int4": {**result["drafters"]["int4"], "num_speculative_tokens": K - 1}}
+    drafters = {**result["drafters"], "int4": {**result["drafters"]["int4"], "k": K - 1}}
     assert f"greedy, K-token (full precision drafter {K}, int4 drafter {K - 1}, int8 copy {K}) chain drafts;" in markdown(
         {**result, "drafters": drafters})
 
@@ -193,7 +193,7 @@ def test_the_tables_say_how_many_tokens_each_drafter_drafts(result):
     (dict(schemes=["none", "int4"], quantized_drafters={"none": "x"}), "quantized_drafters.none"),
     (dict(group_size=3), "group_size"),
     (dict(max_new_tokens=1), "max_new_tokens"),
-    (dict(num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(k=0), "k"),
     (dict(schemes=["int8", "int4"], self_drafts={"int4": "int8"}), "self-drafting scheme='int8'"),  # not lower
     (dict(schemes=["int8"], self_drafts={"int8": "int8"}), "self-drafting scheme='int8'"),
     (dict(schemes=["int8"], self_drafts={"none": "int4"}), "self_drafts.none"),  # not a reported scheme
@@ -242,7 +242,7 @@ def test_command_line_end_to_end(exports, llama_dir, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "inference.quant_report", f"drafter={exports[FULL]}",
          f"quantized_drafters={{int4:{exports['int4']}}}", f"target={llama_dir}", "eval=file", f"eval.path={prompts}",
-         "max_new_tokens=8", "num_speculative_tokens=2", "repeats=1", f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"],
+         "max_new_tokens=8", "k=2", "repeats=1", f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     written = json.loads((out / "quant_report.json").read_text())

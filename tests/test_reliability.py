@@ -83,7 +83,7 @@ def tiny_training(llama_dir: Path, stdlib: Path, run_dir: Path, recipe: str = "e
                               if any(key == f"drafter.{name}" for key, _ in TRAIN_KEYS[recipe])]
 
 
-SMALL_DRAFTER = {"draft_vocab_size": 64, "num_speculative_tokens": 2}  # where the family has them
+SMALL_DRAFTER = {"draft_vocab_size": 64, "depth": 2}  # where the family has them
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def tiny_inference(drafter: Path, out: Path) -> list[str]:
     prompts = out.parent / "prompts.jsonl"
     prompts.write_text(json.dumps("def add(a, b):\n") + "\n")
     return [f"drafter={drafter}", f"hydra.run.dir={out.parent / 'hydra'}", f"out={out}", "eval=file",
-            f"eval.path={prompts}", "max_new_tokens=4", "num_speculative_tokens=2"]
+            f"eval.path={prompts}", "max_new_tokens=4", "k=2"]
 
 
 def cli_env(**extra: str) -> dict:
@@ -161,7 +161,7 @@ FREE_TEXT = {"logger.project", "logger.name", "out"}  # any text is valid (`out`
 PATHS = {"resume", "target", "target.name_or_path", "data.stdlib_path", "drafter", "eval.path"}
 ZERO_ALLOWED = {"seed", "optim.warmup_steps", "optim.weight_decay", "optim.min_lr_ratio", "optim.beta1",
                 "optim.beta2", "trainer.gradient_clip_val", "serve_eval.every_n_steps", "temperature",
-                "num_speculative_tokens", "drafter.regression_weight", "drafter.distillation_weight",
+                "k", "drafter.regression_weight", "drafter.distillation_weight",
                 "drafter.input_noise", "acceptance_tolerance", "drafting.prompt_lookup_max", "drafting.chain_min_prob"}
 GROUPS = {"train": ["conf", "target", "data", "quant", "eval", "trainer", "logger"], "inference": ["quant", "eval"]}
 WEIRD = ["[", "]", "{", "}", "'", "=", "a,b", "${nope}", "${oc.env:SPECULATORS_NO_SUCH_VARIABLE}", "%", "\\\\"]

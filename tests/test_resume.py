@@ -60,7 +60,7 @@ def train(target, run_dir: Path, max_steps: int, resume: str | None = None, call
     data = TextDataModule(DataConfig(seq_len=32, batch_size=2, max_val_sequences=2), small_corpus(), target.tokenizer, 0)
     data.setup("fit")
     counts = draft_vocab.count_tokens(data.train_rows, torch.ones_like(data.train_rows), target.vocab_size)
-    drafter = Eagle3Drafter.from_target(Eagle3Config(num_speculative_tokens=2, draft_vocab_size=64), target, counts)
+    drafter = Eagle3Drafter.from_target(Eagle3Config(depth=2, draft_vocab_size=64), target, counts)
     module = DrafterModule(drafter, target, OptimConfig(lr=1e-2, warmup_steps=2), max_steps=6)
     recorder = RecordLosses()
     trainer = make_trainer(TrainerConfig(max_steps=max_steps, val_every_n_steps=3, checkpoint_every_n_steps=3,

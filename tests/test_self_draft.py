@@ -66,7 +66,7 @@ def test_every_inference_command_serves_drafter_self(llama_dir, text_batch):
     from inference import report
 
     copy, target = report.load_pair("self:int8", str(llama_dir))
-    assert isinstance(copy, SelfDrafter) and copy.scheme == "int8" and copy.num_speculative_tokens == 5
+    assert isinstance(copy, SelfDrafter) and copy.scheme == "int8" and copy.k == 5
     prompts = evalsets.prompts_of([[text] for text in ("import os\n", "def f(x):\n")], None, target, 12)
     measured = report.measure(target, copy, prompts, report.InferenceConfig(drafter="self:int8", max_new_tokens=12))
     assert measured["outputs_match_baseline"] and measured["acceptance_length"] > 2

@@ -35,7 +35,8 @@ def test_shipped_drafter_keeps_its_card_acceptance():
     drafter, target = report.load_pair(str(MODEL), quant=served)
     eval_cfg = EvalConfig("mtbench", num_prompts=check["num_prompts"], turns=1)
     new_tokens = card["config"]["check_new_tokens"]
-    cfg = report.InferenceConfig(drafter=str(MODEL), quant=served, eval=eval_cfg, max_new_tokens=new_tokens)
+    cfg = report.InferenceConfig(drafter=str(MODEL), quant=served, eval=eval_cfg, max_new_tokens=new_tokens,
+                                 k=card["k"])  # the chain length the card's check ran
     result = report.measure(target, drafter, evalsets.prompts(eval_cfg, target, new_tokens), cfg)
     assert result["outputs_match_baseline"] is True
     assert result["acceptance_length"] >= check["acceptance_length"] - TAU_MARGIN

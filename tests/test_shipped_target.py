@@ -46,7 +46,7 @@ def test_shipped_target_loops_no_more_than_its_card_says():
 
 def test_default_recipe_trains_and_exports_for_the_shipped_target(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "train.py", "conf=eagle3", "trainer.max_steps=20", "logger=none", f"hydra.run.dir={run_dir}",
+    cmd = [sys.executable, "train.py", "conf=eagle3_pycode", "trainer.max_steps=20", "logger=none", f"hydra.run.dir={run_dir}",
            "trainer.progress_bar=false"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

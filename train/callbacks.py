@@ -26,19 +26,25 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from inference.engine import Stats, generate
-from speculators.config import at_least
+from speculators.config import at_least, require
 from train.module import unsharded
 
 
 @dataclass
 class ServeEvalConfig:
+    """Serving the drafter with the bundled engine: every_n_steps during training (num_prompts, max_new_tokens),
+    and at the end the closing report, which measures each K of `ks` and records the fastest in the export."""
+
     every_n_steps: int = 100  # 0 disables it
     num_prompts: int = 2
     max_new_tokens: int = 32
+    ks: list[int] | None = None  # K the closing report measures (those up to the drafter's depth); None: 1 to it
 
     def __post_init__(self):
         at_least(0, serve_eval__every_n_steps=self.every_n_steps)
         at_least(1, serve_eval__num_prompts=self.num_prompts, serve_eval__max_new_tokens=self.max_new_tokens)
+        require(self.ks is None or (self.ks and min(self.ks) >= 1), "serve_eval.ks", self.ks,
+                "a list of K >= 1, or null for 1 to the drafter's depth")
 
 
 class ServeEvalCallback(L.Callback):

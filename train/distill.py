@@ -9,7 +9,7 @@ from speculators.config import UserError, require, to_dataclass
 from speculators.families import family
 from speculators.target import FrozenTarget
 from train.callbacks import ServeEvalCallback, wall_time
-from train.data import TextDataModule, chat_template, heldout_conversations, load_examples
+from train.data import TextDataModule, announce, chat_template, heldout_conversations, load_examples
 from train.hidden_cache import open_cache
 from train.module import DrafterModule, plain_copy
 from train.recipes import DrafterRecipe
@@ -26,6 +26,7 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     require(not (cached and every), "serve_eval.every_n_steps", every, "0 with data.hidden_states=cache (serving "
             "needs the whole target, which a cached run loads only for the report after training)")
     target = FrozenTarget.load(recipe.target, recipe.quant, layers=not cached)
+    drafter_cfg = fit_draft_vocab(drafter_cfg, target)
     datamodule = TextDataModule(recipe.data, load_examples(recipe.data), target.tokenizer, recipe.seed)
     datamodule.setup("fit")
     if cached:
@@ -42,7 +43,7 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     if recipe.serve_eval.every_n_steps:
         prompts = [p.ids for p in eval_prompts(recipe, target, datamodule.files["test"], turns=1)]
         callbacks.append(ServeEvalCallback(recipe.serve_eval, target, prompts[: recipe.serve_eval.num_prompts],
-                                           drafter.num_speculative_tokens))
+                                           drafter.depth))
     trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, config), run_dir, callbacks)
     fit(trainer, module, datamodule, recipe.resume)
 
@@ -57,14 +58,25 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     if cached:
         target = FrozenTarget.load(recipe.target, recipe.quant).to(module.device)  # the whole target, to serve
     prompts = eval_prompts(recipe, target, datamodule.files["test"])
-    report_path = acceptance_report(drafter.eval(), target, recipe, prompts, offline, run_dir / "acceptance")
+    report_path = acceptance_report(drafter.eval(), target, recipe, prompts, offline, export_dir)
     print(f"\nexport: {export_dir}\nacceptance report: {report_path}")
+
+
+def fit_draft_vocab(drafter_cfg, target: FrozenTarget):
+    """A draft vocabulary sized for large vocabularies (conf=eagle3: 32,768) is, for a target with fewer
+    tokens, all of them: said in one line, since the size the export records is then the target's."""
+    size = getattr(drafter_cfg, "draft_vocab_size", None)  # Medusa and EAGLE-1 draft over the whole vocabulary
+    if size is None or size <= target.vocab_size:
+        return drafter_cfg
+    announce(f"drafter.draft_vocab_size={size} exceeds the target's vocabulary: drafting over all of its "
+             f"{target.vocab_size} tokens")
+    return replace(drafter_cfg, draft_vocab_size=target.vocab_size)
 
 
 def continue_from(drafter, path: str, target: FrozenTarget) -> None:
     """Start from an export's weights, its draft vocabulary included (init_from=): more training on new data."""
     saved, _ = export.load(Path(path))
-    report.check_trained_for(path, target)
+    report.check_trained_for(path, saved, target)
     export.share_target_embedding(saved, target)
     if type(saved) is not type(drafter):
         raise UserError(f"init_from={path} is a {type(saved).__name__}; drafter.family builds a {type(drafter).__name__}")
@@ -103,13 +115,52 @@ def eval_prompts(recipe: DrafterRecipe, target, test, turns: int | None = None) 
 
 
 def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[evalsets.Prompt], offline: dict,
-                      out_dir: Path) -> Path:
-    """Serve the drafter with the bundled engine on held-out prompts: the figures a serving
-    engine would see. Beside them, the per-step accuracy of validation (teacher-forced)."""
-    steps = drafter.num_speculative_tokens
-    cfg = report.InferenceConfig(drafter=str(out_dir.parent / "export"), quant=recipe.quant, eval=recipe.eval,
-                                 num_speculative_tokens=steps)
-    result = report.measure(target, drafter, prompts, cfg)
-    result["offline_accuracy_per_step"] = [float(offline[f"val/acc_step{j}"]) for j in range(steps)
-                                           if f"val/acc_step{j}" in offline]
-    return report.write(result, out_dir)
+                      export_dir: Path) -> Path:
+    """Serve the drafter with the bundled engine on held-out prompts at each K of serve_eval.ks, against
+    target-only decoding in the same run: the figures a serving engine would see. The fastest K goes into
+    the export (what engines serve unless told otherwise); the init_from export, served on the same prompts,
+    shows what this run added. Beside them, the per-step accuracy of validation (teacher-forced)."""
+    ks = [k for k in recipe.serve_eval.ks or range(1, drafter.depth + 1) if k <= drafter.depth] or [drafter.depth]
+    before = started_from(recipe.init_from, target)
+    arms = {k: (drafter, k) for k in sorted(set(ks) | ({before.k} if before else set()))}
+    cfg = report.InferenceConfig(drafter=str(export_dir), quant=recipe.quant, eval=recipe.eval)
+    results = report.measure_arms(target, arms | ({"before": (before, before.k)} if before else {}), prompts, cfg)
+    best = max(arms, key=lambda k: results[k]["speedup"])
+    export.set_best_k(export_dir, best)
+    result = results[best] | {
+        "k_sweep": {str(k): summary(results[k]) for k in arms},
+        "init_from": {"path": recipe.init_from, **summary(results["before"]),
+                      "this_run": summary(results[before.k])} if before else None,
+        "offline_accuracy_per_step": [float(offline[f"val/acc_step{j}"]) for j in range(drafter.depth)
+                                      if f"val/acc_step{j}" in offline]}
+    path = report.write(result, export_dir.parent / "acceptance")
+    print(closing_lines(result, export_dir))
+    return path
+
+
+def started_from(init_from: str | None, target: FrozenTarget):
+    """The export a run continued (init_from=), served as it was, or None."""
+    if not init_from:
+        return None
+    before, _ = export.load(Path(init_from))
+    export.share_target_embedding(before, target)
+    return before.eval()
+
+
+def summary(figures: dict) -> dict:
+    return {"k": figures["config"]["k"]} | {key: figures[key] for key in (
+        "acceptance_length", "speedup", "tokens_per_second", "baseline_tokens_per_second", "outputs_match_baseline")}
+
+
+def closing_lines(result: dict, export_dir: Path) -> str:
+    """What the run made: tau and speed-up per K, the K recorded, and against what it started from."""
+    sweep = "; ".join(f"K={k}: tau {s['acceptance_length']:.2f}, {s['speedup']:.2f}x" for k, s in result["k_sweep"].items())
+    lines = [f"served at each K against target-only decoding, same prompts: {sweep}",
+             f"fastest: K={result['config']['k']} ({result['speedup']:.2f}x, outputs identical to target-only: "
+             f"{result['outputs_match_baseline']}), recorded in {export_dir / 'config.json'} (speculative_tokens)"]
+    if result["init_from"]:
+        before, after = result["init_from"], result["init_from"]["this_run"]
+        lines.append(f"started from {before['path']}: tau {before['acceptance_length']:.3f} at K={before['k']} "
+                     f"({before['speedup']:.2f}x); after this run: tau {after['acceptance_length']:.3f} "
+                     f"({after['speedup']:.2f}x), {after['acceptance_length'] - before['acceptance_length']:+.3f}")
+    return "\n".join(lines)

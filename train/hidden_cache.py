@@ -1,8 +1,8 @@
 """The hidden-state cache: run the frozen target once over the training data, keep what the
 drafter's loss reads from it, and train many drafters from that without the target's layers.
 
-    python -m train.hidden_cache conf=eagle3 data.hidden_states=cache data.cache_dir=cache/pycode
-    python train.py conf=eagle3 data.hidden_states=cache data.cache_dir=cache/pycode serve_eval.every_n_steps=0
+    python -m train.hidden_cache conf=eagle3_pycode data.hidden_states=cache data.cache_dir=cache/pycode
+    python train.py conf=eagle3_pycode data.hidden_states=cache data.cache_dir=cache/pycode serve_eval.every_n_steps=0
 
 Both commands take the same config: the cache holds the rows of the train and validation splits
 as the data module builds them. Per row of seq_len tokens a shard stores `hidden`

@@ -176,7 +176,7 @@ def save_target(module: CausalLMModule, tokenizer, files, out: Path, tokens_seen
     n_tokens = {s: int(sum(len(ids) + 1 for ids in tokenizer(list(files[s]["text"]))["input_ids"])) for s in corpus.SPLITS}
     facts = {
         "corpus": {
-            "source": "Python standard library (sysconfig stdlib path, site-packages excluded)",
+            "source": corpus.STDLIB_SOURCE,
             "include_tests": data_cfg.include_tests,
             "files": {s: len(files[s]) for s in corpus.SPLITS},
             "bytes": {s: sum(len(t.encode()) for t in files[s]["text"]) for s in corpus.SPLITS},

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from inference.evalsets import EvalConfig
+from speculators import corpus
 from speculators.config import UserError, at_least, one_of, require
 from speculators.quant import QuantConfig
 from speculators.target import TargetConfig
@@ -23,6 +24,7 @@ PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-t
 # ddp: one process per device, gradients all-reduced (gloo on CPU, nccl on GPU); fsdp: the same
 # processes, each holding a shard of the drafter's weights, gradients and optimizer state (FSDP2)
 STRATEGIES = ("auto", "ddp", "fsdp")
+ALL_DEVICES = -1  # trainer.devices: every visible GPU, as Lightning reads -1
 
 
 @dataclass
@@ -31,7 +33,7 @@ class TrainerConfig:
 
     max_steps: int = 500
     accelerator: str = "cpu"
-    devices: int = 1  # per node
+    devices: int = 1  # per node; -1: every visible GPU (not with accelerator=cpu, whose devices are processes)
     num_nodes: int = 1
     strategy: str = "auto"
     precision: str = "32-true"
@@ -48,7 +50,9 @@ class TrainerConfig:
         one_of("trainer.accelerator", self.accelerator, ACCELERATORS)
         one_of("trainer.precision", self.precision, PRECISIONS)
         one_of("trainer.strategy", self.strategy, STRATEGIES)
-        at_least(1, trainer__max_steps=self.max_steps, trainer__devices=self.devices, trainer__num_nodes=self.num_nodes,
+        require(self.devices >= 1 or (self.devices == ALL_DEVICES and self.accelerator != "cpu"), "trainer.devices",
+                self.devices, f">= 1, or {ALL_DEVICES} (every visible GPU) with a GPU trainer.accelerator")
+        at_least(1, trainer__max_steps=self.max_steps, trainer__num_nodes=self.num_nodes,
                  trainer__accumulate_grad_batches=self.accumulate_grad_batches,
                  trainer__log_every_n_steps=self.log_every_n_steps, trainer__val_every_n_steps=self.val_every_n_steps,
                  trainer__checkpoint_every_n_steps=self.checkpoint_every_n_steps)
@@ -115,6 +119,8 @@ class RunKeys:
     def __post_init__(self):
         require(0 <= self.seed < 2**32, "seed", self.seed, "in [0, 2**32 - 1] (NumPy's seed range)")
         checkpoint_to_resume(self.resume)  # a mistyped path fails now, not after the target has loaded
+        require(self.init_from is None or Path(self.init_from).is_dir(), "init_from", self.init_from,
+                "an existing folder: a drafter export, or a saved target for pretraining")
 
 
 @dataclass
@@ -138,6 +144,15 @@ class DrafterRecipe(RunKeys):
     serve_eval: ServeEvalConfig
     eval: EvalConfig  # the closing acceptance report's prompts (eval.name=data: the run's own held-out split)
     drafter: Any  # the family's own config dataclass, chosen by drafter.family
+
+    def __post_init__(self):
+        super().__post_init__()
+        # A drafter learns what its target says about its data: Python source suits only a target pretrained
+        # on it. Refused before anything loads, so a chat model never trains on the toy's corpus unnoticed.
+        if self.data.source == "stdlib" and not corpus.pretrained_on_stdlib(self.target.name_or_path):
+            raise UserError(f"data=stdlib is the pycode toy's corpus (Python source, for targets pretrained on it: "
+                            f"models/pycode, conf=target_pretrain), and target {self.target.name!r} was not; pass "
+                            f"chat data: data=sharegpt, or data=messages data.path=<chats.jsonl>")
 
 
 RECIPES: dict[str, Any] = {"drafter": DrafterRecipe, "pretrain": PretrainRecipe}

@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
@@ -15,7 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 from speculators.config import UserError
 from speculators.tracking import LoggerConfig, wandb_mode
 from train.callbacks import CheckpointOnSignal, ProgressLines, TrainingRandomState, WallClock
-from train.recipes import TrainerConfig, checkpoint_to_resume
+from train.recipes import ALL_DEVICES, TrainerConfig, checkpoint_to_resume
 
 
 def make_logger(cfg: LoggerConfig, run_dir: Path, config: dict):
@@ -64,7 +65,8 @@ def lightning_strategy(cfg: TrainerConfig):
 
     # Every process one data-parallel shard, no tensor parallelism; checkpoints hold the whole
     # state (one file, as under ddp), so a run resumes under any strategy and process count.
-    return ModelParallelStrategy(data_parallel_size=cfg.devices * cfg.num_nodes, tensor_parallel_size=1,
+    devices = torch.cuda.device_count() if cfg.devices == ALL_DEVICES else cfg.devices
+    return ModelParallelStrategy(data_parallel_size=devices * cfg.num_nodes, tensor_parallel_size=1,
                                  save_distributed_checkpoint=False)
 
 
