@@ -58,7 +58,7 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     if cached:
         target = FrozenTarget.load(recipe.target, recipe.quant).to(module.device)  # the whole target, to serve
     prompts = eval_prompts(recipe, target, datamodule.files["test"])
-    report_path = acceptance_report(drafter.eval(), target, recipe, prompts, offline, export_dir)
+    report_path = acceptance_report(served_export(export_dir, target), target, recipe, prompts, offline, export_dir)
     print(f"\nexport: {export_dir}\nacceptance report: {report_path}")
 
 
@@ -116,12 +116,12 @@ def eval_prompts(recipe: DrafterRecipe, target, test, turns: int | None = None) 
 
 def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[evalsets.Prompt], offline: dict,
                       export_dir: Path) -> Path:
-    """Serve the drafter with the bundled engine on held-out prompts at each K of serve_eval.ks, against
+    """Serve the exported drafter with the bundled engine on held-out prompts at each K of serve_eval.ks, against
     target-only decoding in the same run: the figures a serving engine would see. The fastest K goes into
     the export (what engines serve unless told otherwise); the init_from export, served on the same prompts,
     shows what this run added. Beside them, the per-step accuracy of validation (teacher-forced)."""
     ks = [k for k in recipe.serve_eval.ks or range(1, drafter.depth + 1) if k <= drafter.depth] or [drafter.depth]
-    before = started_from(recipe.init_from, target)
+    before = served_export(recipe.init_from, target) if recipe.init_from else None
     arms = {k: (drafter, k) for k in sorted(set(ks) | ({before.k} if before else set()))}
     cfg = report.InferenceConfig(drafter=str(export_dir), quant=recipe.quant, eval=recipe.eval)
     results = report.measure_arms(target, arms | ({"before": (before, before.k)} if before else {}), prompts, cfg)
@@ -138,13 +138,12 @@ def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[eval
     return path
 
 
-def started_from(init_from: str | None, target: FrozenTarget):
-    """The export a run continued (init_from=), served as it was, or None."""
-    if not init_from:
-        return None
-    before, _ = export.load(Path(init_from))
-    export.share_target_embedding(before, target)
-    return before.eval()
+def served_export(path, target: FrozenTarget):
+    """A drafter as engines get it: read back from its export (its serving layers: speculators.layers'
+    decoding_linears), the target's embeddings shared where the export left them out."""
+    drafter, _ = export.load(Path(path))
+    export.share_target_embedding(drafter, target)
+    return drafter.eval().to(target.device)
 
 
 def summary(figures: dict) -> dict:
