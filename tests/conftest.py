@@ -136,3 +136,13 @@ def run_interpreted_tests(test_file: str) -> None:
     summary = child.stdout.strip().splitlines()[-1] if child.stdout.strip() else ""
     assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
     assert re.search(r"^\d+ passed, \d+ deselected", summary), summary  # nothing skipped: Triton was interpreted
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA: without it they are collected and skipped, all with one reason."""
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(no_gpu)

@@ -1,0 +1,731 @@
+"""Our trainer beside vLLM's speculators 0.9.0 on the same target, rows, split and recipe (issue #56).
+
+    python -m benchmarks.peer n=384 steps=[120,480] arms=[ours,peer_matched,peer_defaults] seed=0 threads=1
+
+Trains each arm at each step budget, one at a time, each into its own folder under `runs` (a folder that
+already holds an export is reused; ours resumes from its last checkpoint), then serves every drafter with
+this project's engine on the same prompts (MT-bench, both turns, and ShareGPT's test split) at the same K,
+and writes one table (peer.md, peer.json) and one plot (peer.png: tau against tokens trained, a line per arm)
+into `out`.
+
+- ours: `python train.py conf=eagle3_smollm2` from scratch (init_from=null) with the recipe written out
+  (4 x 512 tokens a step, lr 1e-3, K=5 with decay 0.8, 8,192-token draft vocabulary, layers [2, 15, 27]);
+  the target computes the hidden states every step (data.hidden_states=online).
+- peer_matched / peer_defaults: the harness at `harness` (shared/peers/speculators/train_speculators.sh,
+  run as it is, never copied) with the same N and steps; peer_defaults adds `peer_defaults_extra` (speculators'
+  own EAGLE-3 defaults: EAGLE-3.1 norms, muon) and `peer_defaults_env` (its own TTT depth and step decay).
+
+Every training runs under `nice`, OMP_NUM_THREADS=threads, /usr/bin/time -v (peak RSS, CPU seconds). Speeds are
+medians of per-step seconds read from the trainers' own logs, so a pause (SIGSTOP by a benchmark beside)
+moves one step, not the figure. threads > 1 is a throughput measurement: it waits for `quiet_lock` to be free
+and holds it while training. Every heavy step waits while `quiet_lock` exists.
+"""
+
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from speculators.config import PROJECT_ROOT, UserError, at_least, require, run_command
+
+ARMS = ("ours", "peer_matched", "peer_defaults")
+PEER_ARMS = ("peer_matched", "peer_defaults")
+
+
+@dataclass
+class PeerBenchConfig:
+    """conf/benchmarks/peer.yaml."""
+
+    n: int = 384  # the first N conversations of data/sharegpt-smollm2 (our data.max_examples)
+    steps: list[int] = field(default_factory=lambda: [120])  # optimizer steps: one trained drafter per arm and budget
+    arms: list[str] = field(default_factory=lambda: list(ARMS))
+    seed: int = 0
+    threads: int = 1  # OMP/torch threads of every training and of serving
+    harness: str = "../shared/peers/speculators/train_speculators.sh"  # relative to the project root
+    peer_dir: str = "/tmp/peer-speculators"  # the harness's PEER_DIR: its venv, the target as HF folder, work folders
+    # speculators' own EAGLE-3 defaults (speculators/train/config/schema.py) that the harness sets to our recipe:
+    peer_defaults_extra: str = ("--norm-before-fc --norm-output --norm-before-residual --optimizer muon --weight-decay 0.01 "
+                                "--ttt-step-loss-decay 1.0 --scheduler-type linear")
+    peer_defaults_env: dict[str, str] = field(default_factory=lambda: {"TTT": "3", "ADAMW_BETAS": "0.9,0.999"})
+    ours_overrides: list[str] = field(default_factory=list)  # more `train.py` overrides for ours (the recipe's keys)
+    depth_key: str = "drafter.depth"  # our recipe's key for the training depth K (formerly drafter.num_speculative_tokens)
+    depth: int = 5  # K trained by every arm (the harness's TTT)
+    runs: str = "runs/peer_speculators"  # trained arms: <runs>/<arm>/n<N>_s<steps>_seed<seed>[_t<threads>]
+    out: str = "results/smollm2/peer_speculators"
+    hidden_cache: bool = True  # also build our hidden-state cache of the same rows once: its tokens/s and bytes
+    train: bool = True  # false: report on the arms already trained, train nothing
+    serve: bool = True
+    k: int = 3  # K served for every drafter (speculators' default depth is 3)
+    max_new_tokens: int = 64
+    mtbench_conversations: int = 12  # both turns of each
+    sharegpt_conversations: int = 12
+    quant: str = "gguf"  # the target as served (both arms trained against the Q4_1 file's weights)
+    tau_goal: float | None = None  # wall time to reach this tau; None: the highest tau every arm reached
+    nice: int = 10
+    quiet_lock: str = "/tmp/quiet.lock"
+    pids_file: str = "/tmp/background.pids"
+
+    def __post_init__(self):
+        for arm in self.arms:
+            require(arm in ARMS, "arms", self.arms, f"a list of {', '.join(ARMS)}")
+        require(bool(self.steps) and all(s >= 1 for s in self.steps), "steps", self.steps, "a list of budgets >= 1")
+        at_least(1, n=self.n, threads=self.threads, depth=self.depth, k=self.k, max_new_tokens=self.max_new_tokens)
+        at_least(0, mtbench_conversations=self.mtbench_conversations, sharegpt_conversations=self.sharegpt_conversations)
+
+
+def root_path(path: str) -> Path:
+    p = Path(path)
+    return (p if p.is_absolute() else PROJECT_ROOT / p).resolve()
+
+
+def harness_path(cfg: PeerBenchConfig) -> Path:
+    path = root_path(cfg.harness)
+    if not path.is_file():
+        raise UserError(f"no peer harness at {path}: set harness=<path of train_speculators.sh>")
+    return path
+
+
+def check_peer_venv(cfg: PeerBenchConfig) -> None:
+    python = Path(cfg.peer_dir) / "venv" / "bin" / "python"
+    if not os.access(python, os.X_OK):
+        raise UserError(f"no peer venv at {python.parent.parent}: `bash {harness_path(cfg)} 0 0 -` prints how to make it")
+
+
+def run_dir(cfg: PeerBenchConfig, arm: str, steps: int) -> Path:
+    suffix = f"_t{cfg.threads}" if cfg.threads != 1 else ""
+    return root_path(cfg.runs) / arm / f"n{cfg.n}_s{steps}_seed{cfg.seed}{suffix}"
+
+
+# Commands -------------------------------------------------------------------------------------------------------
+
+def ours_command(cfg: PeerBenchConfig, steps: int, folder: Path) -> list[str]:
+    """Our arm, from scratch, the recipe of conf/eagle3_smollm2.yaml written out (the peer matches these)."""
+    args = [sys.executable, "train.py", "conf=eagle3_smollm2", "init_from=null", "logger=none",
+            f"data.max_examples={cfg.n}", "data.skip_examples=0", "data.seq_len=512", "data.batch_size=4",
+            "data.hidden_states=online", "target.layer_ids=[2,15,27]", "drafter.family=eagle3",
+            f"{cfg.depth_key}={cfg.depth}", "drafter.step_decay=0.8", "drafter.draft_vocab_size=8192",
+            "optim.lr=0.001", "optim.warmup_steps=10", "optim.weight_decay=0.0", "optim.beta1=0.9", "optim.beta2=0.95",
+            f"trainer.max_steps={steps}", f"trainer.num_threads={cfg.threads}", "trainer.log_every_n_steps=1",
+            f"trainer.val_every_n_steps={steps}", f"trainer.checkpoint_every_n_steps={min(40, steps)}",
+            "serve_eval.every_n_steps=0", "eval.num_prompts=1",  # the closing report: one prompt (we serve below)
+            f"seed={cfg.seed}", *cfg.ours_overrides]
+    if (folder / "checkpoints" / "last.ckpt").is_file():
+        args.append(f"resume={folder}")  # interrupted: continue exactly where it stopped
+    return [*args, f"hydra.run.dir={folder}"]
+
+
+def cache_command(cfg: PeerBenchConfig, cache_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "train.hidden_cache", "conf=eagle3_smollm2", "init_from=null", f"data.max_examples={cfg.n}",
+            "data.skip_examples=0", "data.seq_len=512", "data.batch_size=4", "target.layer_ids=[2,15,27]",
+            "data.hidden_states=cache", f"data.cache_dir={cache_dir}", f"trainer.num_threads={cfg.threads}"]
+
+
+def peer_command(cfg: PeerBenchConfig, arm: str, steps: int, folder: Path) -> tuple[list[str], dict[str, str]]:
+    env = {"PEER_DIR": cfg.peer_dir, "SEED": str(cfg.seed), "TTT": str(cfg.depth)}
+    if arm == "peer_defaults":
+        env |= {"EXTRA": cfg.peer_defaults_extra} | dict(cfg.peer_defaults_env)
+    return ["bash", str(harness_path(cfg)), str(cfg.n), str(steps), str(folder / "export")], env
+
+
+def shell_line(args: list[str], env: dict[str, str]) -> str:
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, args)])
+
+
+# Running ------------------------------------------------------------------------------------------------------
+
+def wait_quiet(cfg: PeerBenchConfig) -> None:
+    """Start nothing heavy while someone else benchmarks (their lock file exists)."""
+    said = False
+    while Path(cfg.quiet_lock).exists():
+        if not said:
+            print(f"waiting for {cfg.quiet_lock} to go (polling every 30 s)", flush=True)
+            said = True
+        time.sleep(30)
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and its live descendants, with the children each has waited for (Linux /proc):
+    a pause or a busy machine adds wall time, not CPU time."""
+    tick, total, todo = os.sysconf("SC_CLK_TCK"), 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue  # exited meanwhile: its parent's cutime/cstime hold it once waited for
+    return total / tick
+
+
+STEP_LINES = {"ours": re.compile(rb"^step (\d+)/\d+ ", re.M),
+              "peer": re.compile(rb"global_step=(\d+)")}  # speculators' per-step metrics (--log-freq 1), before its increment
+
+
+def last_step(log: Path, pattern: re.Pattern) -> int | None:
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, log.stat().st_size - 65536))
+            tail = f.read()
+    except OSError:
+        return None
+    found = [next(int(g) for g in m.groups() if g) for m in pattern.finditer(tail)]
+    return found[-1] if found else None
+
+
+def trace_cpu(proc: subprocess.Popen, log: Path, pattern: re.Pattern, trace: Path, every: float = 2.0) -> None:
+    """Every `every` seconds until `proc` ends: wall time, the tree's CPU seconds and the last step logged."""
+    with open(trace, "a") as out:
+        while proc.poll() is None:
+            out.write(f"{time.time():.2f}\t{tree_cpu_seconds(proc.pid):.2f}\t{last_step(log, pattern)}\n")
+            out.flush()
+            time.sleep(every)
+
+
+def cpu_step_seconds(trace: Path, window: int = 10) -> list[float]:
+    """CPU seconds per training step over windows of `window` steps, from trace_cpu's samples: the first sample
+    at which each step was logged (a resumed run's samples continue the same file)."""
+    if not trace.is_file():
+        return []
+    first_seen = {}
+    for line in trace.read_text().splitlines():
+        _, cpu, step = line.split("\t")
+        if step != "None" and int(step) not in first_seen:
+            first_seen[int(step)] = float(cpu)
+    picked = []
+    for step in sorted(first_seen):
+        if not picked or step - picked[-1] >= window:
+            picked.append(step)
+    return [(first_seen[b] - first_seen[a]) / (b - a) for a, b in zip(picked, picked[1:]) if first_seen[b] > first_seen[a]]
+
+
+def run_logged(cfg: PeerBenchConfig, args: list[str], env: dict[str, str], folder: Path, name: str,
+               steps: re.Pattern | None = None) -> float:
+    """Run `args` in the project root at niceness `nice` under /usr/bin/time -v; stdout+stderr to <folder>/<name>.log,
+    the command to <name>.cmd, time's report to <name>.time and (given a step pattern) CPU seconds against the
+    step logged to <name>.cpu.tsv. Returns wall seconds (pauses included)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    threads = str(cfg.threads)
+    full_env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **env}
+    line = shell_line(args, {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **env})
+    env_part, cmd_part = shell_line([], {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **env}), shell_line(args, {})
+    (folder / f"{name}.cmd").write_text(f"cd {PROJECT_ROOT} && {env_part} nice -n {cfg.nice} {cmd_part}\n")
+    wait_quiet(cfg)
+    lock = None
+    if cfg.threads > 1:  # a deliberate throughput measurement: hold the lock others wait on
+        lock = Path(cfg.quiet_lock)
+        lock.touch()
+    started = time.time()
+    increment = max(0, cfg.nice - os.nice(0))  # to niceness `nice`, whatever this process runs at
+    try:
+        with open(folder / f"{name}.log", "ab") as log:
+            log.write(f"\n### {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {line}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(["nice", "-n", str(increment), "/usr/bin/time", "-v", "-o",
+                                     str(folder / f"{name}.time"), *args],
+                                    cwd=PROJECT_ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+            if steps is not None:
+                trace_cpu(proc, folder / f"{name}.log", steps, folder / f"{name}.cpu.tsv")
+            returncode = proc.wait()
+    finally:
+        if lock is not None:
+            lock.unlink(missing_ok=True)
+    if returncode:
+        raise UserError(f"{name} failed (exit {returncode}): see {folder / f'{name}.log'}")
+    return time.time() - started
+
+
+def train_arm(cfg: PeerBenchConfig, arm: str, steps: int) -> Path:
+    folder = run_dir(cfg, arm, steps)
+    if (folder / "export" / "config.json").is_file():
+        print(f"{arm} at {steps} steps: {folder / 'export'} exists, reused", flush=True)
+        return folder
+    print(f"{arm} at {steps} steps -> {folder}", flush=True)
+    if arm == "ours":
+        run_logged(cfg, ours_command(cfg, steps, folder), {}, folder, "train", STEP_LINES["ours"])
+    else:
+        check_peer_venv(cfg)
+        args, env = peer_command(cfg, arm, steps, folder)
+        run_logged(cfg, args, env, folder, "train", STEP_LINES["peer"])
+    return folder
+
+
+def peer_prepare(cfg: PeerBenchConfig) -> Path:
+    """The peer's offline stages on their own, with the harness's own scripts and arguments (beside it in
+    `harness`'s folder: convert_gguf.py, prep_data.py, gen_hidden.py), each timed: the harness then finds its rows
+    and hidden states in PEER_DIR/work-N and reuses them, so a training's log holds training only."""
+    folder = root_path(cfg.runs) / "peer_hidden" / f"n{cfg.n}"
+    if (folder / "hidden.done").is_file():
+        return folder
+    check_peer_venv(cfg)
+    here, peer_dir = harness_path(cfg).parent, Path(cfg.peer_dir)
+    python, target, data = str(peer_dir / "venv" / "bin" / "python"), peer_dir / "smollm2-hf", peer_dir / f"work-{cfg.n}" / "data"
+    env = {"PEER_DIR": cfg.peer_dir, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    print(f"the peer's rows and hidden states of the first {cfg.n} conversations -> {data}", flush=True)
+    if not (target / "model.safetensors").is_file():
+        run_logged(cfg, [python, str(here / "convert_gguf.py"), str(target)], env, folder, "convert")
+    run_logged(cfg, [python, str(here / "prep_data.py"), "--n", str(cfg.n), "--target", str(target), "--seq-len", "512",
+                     "--out", str(data)], env, folder, "rows")
+    run_logged(cfg, [python, str(here / "gen_hidden.py"), "--data", str(data), "--target", str(target),
+                     "--layers", "2", "15", "27"], env, folder, "hidden")
+    (folder / "hidden.done").write_text("")
+    return folder
+
+
+def peer_prepare_record(folder: Path | None) -> dict:
+    if folder is None or not (folder / "hidden.log").is_file():
+        return {}
+    rec = {"cpu_s": time_report(folder / "hidden.time").get("cpu_s"), "wall_s": time_report(folder / "hidden.time").get("wall_s"),
+           "peak_rss_gib": time_report(folder / "hidden.time").get("peak_rss_gib")}
+    h = re.findall(r"hidden states: (\d+) rows, (\d+) tokens in ([\d.]+) s", (folder / "hidden.log").read_text())
+    if h and int(h[-1][0]):
+        rows, tokens, seconds = h[-1]
+        rec |= {"rows": int(rows), "tokens": int(tokens), "tokens_per_s_wall": int(tokens) / float(seconds)}
+        if rec["cpu_s"]:
+            rec["tokens_per_cpu_s"] = int(tokens) / rec["cpu_s"]  # the target's load included
+    return rec
+
+
+def build_cache(cfg: PeerBenchConfig) -> Path:
+    folder = root_path(cfg.runs) / "ours_cache" / f"n{cfg.n}"
+    if not (folder / "cache" / "index.json").is_file():
+        print(f"our hidden-state cache of the same rows -> {folder}", flush=True)
+        run_logged(cfg, cache_command(cfg, folder / "cache"), {}, folder, "cache")
+    return folder
+
+
+# Reading the logs ----------------------------------------------------------------------------------------------
+
+def time_report(path: Path) -> dict:
+    """/usr/bin/time -v's figures: peak RSS, CPU and wall seconds."""
+    if not path.is_file():
+        return {}
+    text = path.read_text()
+
+    def field_(label: str) -> str | None:
+        m = re.search(rf"^\s*{re.escape(label)}: (.+)$", text, re.M)
+        return m.group(1).strip() if m else None
+
+    wall = field_("Elapsed (wall clock) time (h:mm:ss or m:ss)")
+    seconds = None
+    if wall:
+        parts = [float(p) for p in wall.split(":")]
+        seconds = sum(p * 60 ** i for i, p in enumerate(reversed(parts)))
+    rss = field_("Maximum resident set size (kbytes)")
+    user, system = field_("User time (seconds)"), field_("System time (seconds)")
+    return {"peak_rss_gib": int(rss) / 2**20 if rss else None, "wall_s": seconds,
+            "cpu_s": float(user) + float(system) if user and system else None}
+
+
+def ours_step_seconds(log: str, window: int = 10) -> list[float]:
+    """Seconds per step in windows of `window` steps, from ProgressLines ("step i/S ... a s/step", a the mean
+    since training (re)started, logged every step): elapsed(i) = (i - i0) * a(i), and a window's time is the
+    difference of two elapsed times (the 2-decimal rounding of a then costs < 0.01 s/step at 10-step windows).
+    A pause lands in one window. A resumed run (a new "### " command line in the log) starts new means."""
+    runs, points, start = [], [], None
+    for line in log.splitlines():
+        if line.startswith("### "):
+            runs.append(points)
+            points, start = [], None
+            continue
+        m = re.match(r"step (\d+)/\d+\s.*?([\d.]+) s/step", line)
+        if m:
+            step, mean = int(m.group(1)), float(m.group(2))
+            start = step - 1 if start is None else start  # logged every step: the first line is one past the start
+            points.append((step, (step - start) * mean))
+    runs.append(points)
+    return [(e1 - e0) / (s1 - s0) for pts in runs for (s0, e0), (s1, e1) in zip(pts[::window], pts[window::window])]
+
+
+def cpu_figures(folder: Path) -> dict:
+    """From <folder>/train.cpu.tsv: median CPU seconds per step (10-step windows) and the CPU spent before the
+    first step was logged (loading, data; the peer's rows and hidden states when its run computed them)."""
+    trace = folder / "train.cpu.tsv"
+    windows = cpu_step_seconds(trace)
+    rec = {"cpu_s_per_step": statistics.median(windows) if windows else None, "cpu_windows": len(windows)}
+    if trace.is_file():
+        for line in trace.read_text().splitlines():
+            _, cpu, step = line.split("\t")
+            if step != "None":
+                rec["setup_cpu_s"] = float(cpu)
+                break
+    return rec
+
+
+def ours_record(folder: Path, peer_split: dict | None) -> dict:
+    log = (folder / "train.log").read_text(errors="replace") if (folder / "train.log").is_file() else ""
+    training = json.loads((folder / "export" / "training.json").read_text())
+    rows = re.search(r"data train: .*?; (\d+) rows of (\d+) tokens, (\d+)% of them trained", log)
+    per_step = ours_step_seconds(log)
+    rec = {"arm": "ours", "steps": training["steps"], "positions_per_step": training["tokens_seen"] / max(training["steps"], 1),
+           "train_rows": int(rows.group(1)) if rows else None, "trained_share": int(rows.group(3)) / 100 if rows else None,
+           "step_s_median": statistics.median(per_step) if per_step else None, "steps_timed": len(per_step),
+           "wall_time_s": training.get("wall_time_s"), "hidden_states": "online (the target runs every step)"}
+    # The same examples as the peer's rows (its prep_data.py mirrors train/data.py): their real tokens over our rows.
+    if peer_split and rec["train_rows"]:
+        rec["tokens_per_step"] = peer_split["train_tokens"] / rec["train_rows"] * 4
+        rec["tokens_note"] = "non-padding tokens per step: the train split's tokens (peer's split.json) over our rows x 4"
+    else:
+        rec["tokens_per_step"] = rec["positions_per_step"]
+        rec["tokens_note"] = "positions per step (padding included)"
+    return rec | cpu_figures(folder) | time_report(folder / "train.time")
+
+
+def peer_step_seconds(log: str) -> list[float]:
+    """Per-step seconds from speculators' own per-step log lines, when it prints them."""
+    return [float(x) / 1000 for x in re.findall(r"profile/step_ms=([\d.]+(?:e[+-]?\d+)?)", log)]
+
+
+def peer_record(folder: Path) -> dict:
+    log = (folder / "train.log").read_text(errors="replace")
+    rec = {"arm": folder.parent.name}
+    m = re.findall(r"\[train_cpu\] (\d+) steps; seconds/step: first ([\d.]+), mean of the rest ([\d.]+); "
+                   r"tokens/step \(packed, prompts included\): (\d+); process ([\d.]+) s", log)
+    if m:
+        steps, first, rest, tokens, process = m[-1]
+        rec |= {"steps": int(steps), "step_s_first": float(first), "step_s_mean": float(rest),
+                "tokens_per_step": float(tokens), "process_s": float(process)}
+    per_step = peer_step_seconds(log)
+    rec["step_s_median"] = statistics.median(per_step[1:] or per_step) if per_step else rec.get("step_s_mean")
+    rec["steps_timed"] = len(per_step)
+    h = re.findall(r"hidden states: (\d+) rows, (\d+) tokens in ([\d.]+) s", log)
+    if h:
+        rows, tokens, seconds = h[-1]
+        if int(rows):
+            rec["hidden_states_tokens_per_s"] = int(tokens) / float(seconds)
+            rec["hidden_states_tokens"] = int(tokens)
+    secs = re.findall(r"== seconds: rows (\d+), hidden states (\d+), training (\d+)", log)
+    if secs:
+        rec["stage_seconds"] = dict(zip(("rows", "hidden_states", "training"), map(int, secs[-1])))
+    rec["hidden_states"] = "offline (computed once per N, bf16 files)"
+    return rec | cpu_figures(folder) | time_report(folder / "train.time")
+
+
+def safetensors_tokens(path: Path) -> int:
+    """Rows of a hidden-state file (its first dimension), read from the safetensors header only."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return header["hidden_states"]["shape"][0]
+
+
+def peer_disk(cfg: PeerBenchConfig) -> dict:
+    folder = Path(cfg.peer_dir) / f"work-{cfg.n}" / "data" / "hidden_states"
+    files = sorted(folder.glob("hs_*.safetensors"))
+    if not files:
+        return {}
+    size = sum(f.stat().st_size for f in files)
+    tokens = sum(safetensors_tokens(f) for f in files)
+    return {"bytes": size, "tokens": tokens, "bytes_per_token": size / tokens, "files": len(files)}
+
+
+def peer_split(cfg: PeerBenchConfig) -> dict | None:
+    path = Path(cfg.peer_dir) / f"work-{cfg.n}" / "data" / "split.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def cache_record(folder: Path) -> dict:
+    cache = folder / "cache"
+    if not (cache / "index.json").is_file():
+        return {}
+    size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
+    log = (folder / "cache.log").read_text(errors="replace") if (folder / "cache.log").is_file() else ""
+    rows = [int(r) for r in re.findall(r"data (?:train|validation): .*?; (\d+) rows of", log)]
+    positions = sum(rows) * 512
+    timing = time_report(folder / "cache.time")
+    rec = {"bytes": size, "rows": sum(rows), "positions": positions,
+           "bytes_per_position": size / positions if positions else None} | timing
+    if positions and timing.get("cpu_s"):
+        rec["positions_per_cpu_s"] = positions / timing["cpu_s"]  # target load included
+    return rec
+
+
+# Serving -------------------------------------------------------------------------------------------------------
+
+def serve(cfg: PeerBenchConfig, drafters: dict[str, Path]) -> dict:
+    """Every drafter (and target-only decoding) on the same prompts with the same K, interleaved prompt by
+    prompt; per prompt tau = 1 + accepted / drafts, so the spread over prompts is known."""
+    import torch
+
+    from inference import evalsets, report, rounds
+    from inference.compare import tau_standard_error, vocabulary_coverage
+    from inference.drafting import DraftingConfig
+    from inference.engine import Stats, generate
+    from speculators import export
+    from speculators.quant import QuantConfig
+
+    torch.set_num_threads(cfg.threads)
+    names = list(drafters)
+    first, target = report.load_pair(str(drafters[names[0]]), None, QuantConfig(cfg.quant))
+    loaded = {names[0]: first}
+    for name in names[1:]:
+        d, _ = export.load(drafters[name])
+        export.share_target_embedding(d, target)
+        loaded[name] = d.eval()
+    sets = [("mtbench", evalsets.EvalConfig("mtbench", num_prompts=cfg.mtbench_conversations, turns=2)),
+            ("sharegpt", evalsets.EvalConfig("sharegpt", num_prompts=cfg.sharegpt_conversations, turns=1))]
+    prompts = []
+    for set_name, ecfg in sets:
+        if ecfg.num_prompts:
+            prompts += [(set_name, p) for p in evalsets.prompts(ecfg, target, cfg.max_new_tokens)]
+    ways = {"target_only": lambda ids: generate(target, None, ids, cfg.max_new_tokens, 0)}
+    for name in names:
+        ways[name] = (lambda d: lambda ids: generate(target, d, ids, cfg.max_new_tokens, cfg.k,
+                                                     drafting=DraftingConfig()))(loaded[name])
+    timed = rounds.interleaved(ways, [p.ids for _, p in prompts], 1, count=lambda out, wall: (len(out.tokens), wall))
+    base_speed = timed["target_only"].tokens[0] / timed["target_only"].seconds[0]
+    base_outputs = [out.tokens for out in timed["target_only"].results]
+    result = {"prompts": [{"set": s, "turn": p.turn, "tokens": len(p.ids)} for s, p in prompts], "drafters": {}}
+    for name in names:
+        outs = timed[name].results
+        per_prompt = [out.stats.acceptance_length for out in outs]
+        total = Stats(cfg.k)
+        for out in outs:
+            total.add(out.stats)
+        by_set = {}
+        for set_name in {s for s, _ in prompts} | {"mtbench_turn1", "mtbench_turn2"}:
+            idx = [i for i, (s, p) in enumerate(prompts) if s == set_name or f"{s}_turn{p.turn}" == set_name]
+            if idx:
+                by_set[set_name] = spread([per_prompt[i] for i in idx]) | {"pooled": pooled([outs[i] for i in idx], cfg.k)}
+        result["drafters"][name] = {
+            "path": str(drafters[name]), "tau": total.acceptance_length,
+            "tau_stderr_drafts": tau_standard_error(total.accepted_at, total.num_drafts),
+            "tau_per_prompt": per_prompt, "over_prompts": spread(per_prompt), "by_set": by_set,
+            "acceptance_rate_per_position": total.acceptance_rates,
+            "draft_vocabulary_coverage": vocabulary_coverage(loaded[name], base_outputs),
+            "tokens_per_s": timed[name].tokens[0] / timed[name].seconds[0],
+            "speedup": timed[name].tokens[0] / timed[name].seconds[0] / base_speed,
+            "outputs_match_target_only": [out.tokens for out in outs] == base_outputs}
+    result["target_only_tokens_per_s"] = base_speed
+    return result
+
+
+def pooled(outs: list, k: int) -> float:
+    from inference.engine import Stats
+
+    total = Stats(k)
+    for out in outs:
+        total.add(out.stats)
+    return total.acceptance_length
+
+
+def spread(values: list[float]) -> dict:
+    """Mean over prompts, its standard deviation and the standard error of the mean."""
+    n = len(values)
+    sd = statistics.stdev(values) if n > 1 else float("nan")
+    return {"mean": statistics.fmean(values), "sd": sd, "se": sd / n**0.5 if n > 1 else float("nan"), "n": n}
+
+
+def paired(a: list[float], b: list[float]) -> dict:
+    """a - b prompt by prompt (the same prompts, the same target outputs): mean and its standard error."""
+    return spread([x - y for x, y in zip(a, b)])
+
+
+# Table and plot ------------------------------------------------------------------------------------------------
+
+def rows_of(records: list[dict], served: dict | None) -> list[dict]:
+    """One row per arm and budget: training figures beside the served tau."""
+    rows = []
+    for rec in records:
+        row = dict(rec)
+        row["tokens_trained"] = rec["steps"] * rec["tokens_per_step"] if rec.get("tokens_per_step") else None
+        step_s, cpu_s = rec.get("step_s_median"), rec.get("cpu_s_per_step")
+        row["train_tokens_per_s"] = rec["tokens_per_step"] / step_s if step_s and rec.get("tokens_per_step") else None
+        row["train_tokens_per_cpu_s"] = rec["tokens_per_step"] / cpu_s if cpu_s and rec.get("tokens_per_step") else None
+        s = (served or {}).get("drafters", {}).get(rec["name"])
+        if s:
+            row |= {"tau": s["tau"], "tau_stderr_drafts": s.get("tau_stderr_drafts"),
+                    "acceptance_rate_per_position": s.get("acceptance_rate_per_position"), "tau_sd_prompts": s["over_prompts"]["sd"], "tau_se_prompts": s["over_prompts"]["se"],
+                    "tau_mean_prompts": s["over_prompts"]["mean"], "speedup": s["speedup"],
+                    "outputs_match": s["outputs_match_target_only"],
+                    "tau_by_set": {k: v["pooled"] for k, v in s["by_set"].items()}}
+        rows.append(row)
+    return rows
+
+
+def time_to_tau(rows: list[dict], goal: float | None, hidden_s: dict[str, float]) -> dict:
+    """Per arm: training CPU seconds (median CPU seconds a step x steps, plus the arm's one-off hidden-state pass;
+    at one thread about the wall time on an idle core) of the smallest budget whose tau reached `goal`;
+    goal None: the highest tau that every arm reached."""
+    arms = sorted({r["arm"] for r in rows if r.get("tau") is not None})
+    if not arms:
+        return {}
+    if goal is None:
+        goal = min(max(r["tau"] for r in rows if r["arm"] == a and r.get("tau") is not None) for a in arms)
+    out = {"goal": goal}
+    for arm in arms:
+        hits = sorted((r["steps"], r) for r in rows if r["arm"] == arm and r.get("tau") is not None and r["tau"] >= goal)
+        if hits and hits[0][1].get("cpu_s_per_step"):
+            r = hits[0][1]
+            out[arm] = {"steps": r["steps"], "seconds": round(r["cpu_s_per_step"] * r["steps"] + hidden_s.get(arm, 0.0))}
+        else:
+            out[arm] = None
+    return out
+
+
+def fmt(x, spec: str = ".2f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def markdown(rows: list[dict], extra: dict) -> str:
+    lines = ["| arm | steps | tokens trained | tau (MT-bench both turns + ShareGPT) ± sd over prompts (s.e.) | MT-bench t1 / t2 | "
+             "ShareGPT | acceptance at 1..K | CPU s/step | tokens/CPU-s | wall s/step (median) | peak RSS GiB | CPU s (process) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        by = r.get("tau_by_set") or {}
+        tau = "-" if r.get("tau") is None else f"{r['tau']:.3f} ± {r['tau_sd_prompts']:.2f} ({r['tau_se_prompts']:.3f})"
+        lines.append(f"| {r['name']} | {r['steps']} | {fmt(r.get('tokens_trained'), ',.0f')} | {tau} | "
+                     f"{fmt(by.get('mtbench_turn1'), '.3f')} / {fmt(by.get('mtbench_turn2'), '.3f')} | {fmt(by.get('sharegpt'), '.3f')} | "
+                     f"{' '.join(f'{a:.3f}' for a in r.get('acceptance_rate_per_position') or []) or '-'} | {fmt(r.get('cpu_s_per_step'))} | {fmt(r.get('train_tokens_per_cpu_s'), '.0f')} | "
+                     f"{fmt(r.get('step_s_median'))} | "
+                     f"{fmt(r.get('peak_rss_gib'))} | {fmt(r.get('cpu_s'), '.0f')} |")
+    for title, block in extra.items():
+        lines += ["", f"**{title}**", "", "```", json.dumps(block, indent=1), "```"]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    from inference import plots
+
+    with plots.figure(path, (6, 4)) as ax:
+        for arm in sorted({r["arm"] for r in rows}):
+            pts = sorted((r["tokens_trained"], r["tau"], r.get("tau_se_prompts") or 0) for r in rows
+                         if r["arm"] == arm and r.get("tau") is not None and r.get("tokens_trained"))
+            if pts:
+                xs, ys, es = zip(*pts)
+                ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=arm)
+        ax.set(xscale="log", xlabel="tokens trained (non-padding)", ylabel="tau (served, greedy)",
+               title="tau against tokens trained (± s.e. over prompts)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+
+# The command ---------------------------------------------------------------------------------------------------
+
+def register_pid(cfg: PeerBenchConfig) -> None:
+    """The benchmark beside SIGSTOPs/SIGCONTs what this file lists: our process group (children included)."""
+    try:
+        if os.getpgrp() == os.getpid():
+            with open(cfg.pids_file, "a") as f:
+                f.write(f"{os.getpid()}\n")
+    except OSError:
+        pass
+
+
+def served_results(cfg: PeerBenchConfig, folders: dict[str, Path], out: Path) -> dict | None:
+    """Each drafter's serving results, kept per drafter (out/served/<name>_<settings>.json) so a later run serves
+    only drafters not served yet: greedy tau per prompt is the same in any run, and each file keeps the
+    target-only speed of the run that served it (its speed-up is against that)."""
+    if not cfg.serve or not folders:
+        return None
+    settings = f"k{cfg.k}_m{cfg.mtbench_conversations}_s{cfg.sharegpt_conversations}_t{cfg.max_new_tokens}_th{cfg.threads}"
+    store = out / "served"
+    store.mkdir(parents=True, exist_ok=True)
+    path_of = {name: store / f"{name.replace('@', '_')}_{settings}.json" for name in folders}
+    missing = {}
+    for name, folder in folders.items():
+        kept = json.loads(path_of[name].read_text()) if path_of[name].is_file() else None
+        if not kept or kept["drafter"]["path"] != str(folder / "export"):
+            missing[name] = folder / "export"
+    if missing:
+        wait_quiet(cfg)
+        result = serve(cfg, missing)
+        for name in missing:
+            path_of[name].write_text(json.dumps({"drafter": result["drafters"][name], "prompts": result["prompts"],
+                                                 "target_only_tokens_per_s": result["target_only_tokens_per_s"],
+                                                 "served_with": sorted(missing)}, indent=1))
+    served = {"drafters": {}, "target_only_tokens_per_s": {}, "prompts": None}
+    for name in folders:
+        kept = json.loads(path_of[name].read_text())
+        served["drafters"][name] = kept["drafter"]
+        served["target_only_tokens_per_s"][name] = kept["target_only_tokens_per_s"]
+        if served["prompts"] is None:
+            served["prompts"] = kept["prompts"]
+        elif served["prompts"] != kept["prompts"]:
+            raise UserError(f"{path_of[name]} was served on other prompts; delete it to serve it again")
+    return served
+
+
+def bench(cfg: PeerBenchConfig) -> Path:
+    if cfg.train and any(a in PEER_ARMS for a in cfg.arms):
+        harness_path(cfg)
+        check_peer_venv(cfg)  # one line, before anything trains
+    register_pid(cfg)
+    out = root_path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prepared = peer_prepare(cfg) if cfg.train and any(a in PEER_ARMS for a in cfg.arms) else None
+    if prepared is None and (root_path(cfg.runs) / "peer_hidden" / f"n{cfg.n}" / "hidden.done").is_file():
+        prepared = root_path(cfg.runs) / "peer_hidden" / f"n{cfg.n}"
+    folders = {}
+    for steps in sorted(cfg.steps):
+        for arm in cfg.arms:
+            folder = run_dir(cfg, arm, steps)
+            if cfg.train:
+                folders[f"{arm}@{steps}"] = train_arm(cfg, arm, steps)
+            elif (folder / "export" / "config.json").is_file():
+                folders[f"{arm}@{steps}"] = folder
+            else:
+                print(f"{arm} at {steps} steps: not trained (train=false), left out", flush=True)
+    split = peer_split(cfg)
+    records = []
+    for name, folder in folders.items():
+        arm = name.split("@")[0]
+        rec = ours_record(folder, split) if arm == "ours" else peer_record(folder)
+        records.append(rec | {"name": name, "arm": arm, "folder": str(folder), "threads": cfg.threads,
+                              "command": (folder / "train.cmd").read_text().strip() if (folder / "train.cmd").is_file() else None})
+    served = served_results(cfg, folders, out)
+    cache = build_cache(cfg) if cfg.hidden_cache else None
+    rows = rows_of(records, served)
+    hidden = {"peer": peer_disk(cfg) | peer_prepare_record(prepared), "ours_cache": cache_record(cache) if cache else {}}
+    peer_hidden_s = hidden["peer"].get("cpu_s") or 0.0
+    extra = {"hidden states": hidden,
+             "time to tau (CPU seconds, 1 thread)": time_to_tau(rows, cfg.tau_goal, {a: peer_hidden_s for a in PEER_ARMS})}
+    if served:
+        base = {r["steps"]: served["drafters"][r["name"]]["tau_per_prompt"] for r in rows if r["arm"] == "ours"}
+        extra["paired tau difference vs ours (same prompts), mean ± s.e."] = {
+            r["name"]: paired(served["drafters"][r["name"]]["tau_per_prompt"], base[r["steps"]])
+            for r in rows if r["arm"] != "ours" and r["steps"] in base}
+    ratio = {}
+    for steps in sorted(cfg.steps):
+        ours = next((r for r in rows if r["arm"] == "ours" and r["steps"] == steps), None)
+        for r in rows:
+            if r["arm"] != "ours" and r["steps"] == steps and ours and ours.get("train_tokens_per_cpu_s") \
+                    and r.get("train_tokens_per_cpu_s"):
+                ratio[r["name"]] = ours["train_tokens_per_cpu_s"] / r["train_tokens_per_cpu_s"]
+    extra[f"training tokens per CPU-second, ours / peer, {cfg.threads} thread(s)"] = ratio
+    result = {"config": asdict(cfg), "rows": rows, **extra, "served": served,
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "git_revision": git_revision()}
+    stem = "peer" if cfg.threads == 1 else f"peer_t{cfg.threads}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / f"{stem}.md").write_text(markdown(rows, extra) + "\n")
+    if served:
+        plot(rows, out / f"{stem}.png")
+    print(markdown(rows, extra))
+    print(f"table: {out / f'{stem}.md'}")
+    return out / f"{stem}.json"
+
+
+def machine() -> dict:
+    try:
+        from inference.report import machine as report_machine
+
+        return report_machine()
+    except Exception:  # noqa: BLE001 -- a figure for the record, never a reason to fail
+        return {"cpus": os.cpu_count()}
+
+
+def git_revision() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return None
+
+
+if __name__ == "__main__":
+    run_command("peer", PeerBenchConfig, bench, config_dir="conf/benchmarks")
