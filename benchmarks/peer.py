@@ -15,10 +15,12 @@ into `out`.
   run as it is, never copied) with the same N and steps; peer_defaults adds `peer_defaults_extra` (speculators'
   own EAGLE-3 defaults: EAGLE-3.1 norms, muon) and `peer_defaults_env` (its own TTT depth and step decay).
 
-Every training runs under `nice`, OMP_NUM_THREADS=threads, /usr/bin/time -v (peak RSS, CPU seconds). Speeds are
-medians of per-step seconds read from the trainers' own logs, so a pause (SIGSTOP by a benchmark beside)
-moves one step, not the figure. threads > 1 is a throughput measurement: it waits for `quiet_lock` to be free
-and holds it while training. Every heavy step waits while `quiet_lock` exists.
+Every training runs at niceness `nice`, OMP_NUM_THREADS=threads, under /usr/bin/time -v (peak RSS, CPU seconds).
+Speeds are medians over 10-step windows of the training's CPU seconds (sampled from /proc against the step its
+log reports), so neither a pause (SIGSTOP by a benchmark beside) nor others' jobs on the core count; the
+trainers' own wall seconds a step are reported beside. threads > 1 is a throughput measurement: it waits for
+`quiet_lock` to be free and holds it while training. Every heavy step waits while `quiet_lock` exists.
+The peer's rows and hidden states are made once per N by the harness's own scripts (peer_prepare), timed apart.
 """
 
 import json
@@ -66,7 +68,7 @@ class PeerBenchConfig:
     mtbench_conversations: int = 12  # both turns of each
     sharegpt_conversations: int = 12
     quant: str = "gguf"  # the target as served (both arms trained against the Q4_1 file's weights)
-    tau_goal: float | None = None  # wall time to reach this tau; None: the highest tau every arm reached
+    tau_goal: float | None = None  # CPU seconds to reach this tau; None: the highest tau every arm reached
     nice: int = 10
     quiet_lock: str = "/tmp/quiet.lock"
     pids_file: str = "/tmp/background.pids"
@@ -114,7 +116,9 @@ def ours_command(cfg: PeerBenchConfig, steps: int, folder: Path) -> list[str]:
             f"trainer.max_steps={steps}", f"trainer.num_threads={cfg.threads}", "trainer.log_every_n_steps=1",
             f"trainer.val_every_n_steps={steps}", f"trainer.checkpoint_every_n_steps={min(40, steps)}",
             "serve_eval.every_n_steps=0", "eval.num_prompts=1",  # the closing report: one prompt (we serve below)
-            f"seed={cfg.seed}", *cfg.ours_overrides]
+            f"seed={cfg.seed}"]
+    overridden = {o.split("=", 1)[0].lstrip("+~") for o in cfg.ours_overrides}
+    args = [a for a in args if a.split("=", 1)[0] not in overridden] + list(cfg.ours_overrides)  # Hydra refuses a key twice
     if (folder / "checkpoints" / "last.ckpt").is_file():
         args.append(f"resume={folder}")  # interrupted: continue exactly where it stopped
     return [*args, f"hydra.run.dir={folder}"]
@@ -183,6 +187,7 @@ def last_step(log: Path, pattern: re.Pattern) -> int | None:
 def trace_cpu(proc: subprocess.Popen, log: Path, pattern: re.Pattern, trace: Path, every: float = 2.0) -> None:
     """Every `every` seconds until `proc` ends: wall time, the tree's CPU seconds and the last step logged."""
     with open(trace, "a") as out:
+        out.write("### a new process: its CPU seconds count from 0\n")
         while proc.poll() is None:
             out.write(f"{time.time():.2f}\t{tree_cpu_seconds(proc.pid):.2f}\t{last_step(log, pattern)}\n")
             out.flush()
@@ -191,19 +196,23 @@ def trace_cpu(proc: subprocess.Popen, log: Path, pattern: re.Pattern, trace: Pat
 
 def cpu_step_seconds(trace: Path, window: int = 10) -> list[float]:
     """CPU seconds per training step over windows of `window` steps, from trace_cpu's samples: the first sample
-    at which each step was logged (a resumed run's samples continue the same file)."""
+    at which each step was logged. A resumed run appends a new process's samples ("### " line) to the same file;
+    windows never span two processes."""
     if not trace.is_file():
         return []
-    first_seen = {}
-    for line in trace.read_text().splitlines():
-        _, cpu, step = line.split("\t")
-        if step != "None" and int(step) not in first_seen:
-            first_seen[int(step)] = float(cpu)
-    picked = []
-    for step in sorted(first_seen):
-        if not picked or step - picked[-1] >= window:
-            picked.append(step)
-    return [(first_seen[b] - first_seen[a]) / (b - a) for a, b in zip(picked, picked[1:]) if first_seen[b] > first_seen[a]]
+    out = []
+    for segment in ("\n" + trace.read_text()).split("\n### "):
+        first_seen = {}
+        for line in segment.splitlines():
+            parts = line.split("\t")
+            if len(parts) == 3 and parts[2] != "None" and int(parts[2]) not in first_seen:
+                first_seen[int(parts[2])] = float(parts[1])
+        picked = []
+        for step in sorted(first_seen):
+            if not picked or step - picked[-1] >= window:
+                picked.append(step)
+        out += [(first_seen[b] - first_seen[a]) / (b - a) for a, b in zip(picked, picked[1:]) if first_seen[b] > first_seen[a]]
+    return out
 
 
 def run_logged(cfg: PeerBenchConfig, args: list[str], env: dict[str, str], folder: Path, name: str,
@@ -352,9 +361,9 @@ def cpu_figures(folder: Path) -> dict:
     rec = {"cpu_s_per_step": statistics.median(windows) if windows else None, "cpu_windows": len(windows)}
     if trace.is_file():
         for line in trace.read_text().splitlines():
-            _, cpu, step = line.split("\t")
-            if step != "None":
-                rec["setup_cpu_s"] = float(cpu)
+            parts = line.split("\t")
+            if len(parts) == 3 and parts[2] != "None":
+                rec["setup_cpu_s"] = float(parts[1])
                 break
     return rec
 

@@ -67,6 +67,9 @@ def test_ours_command_trains_from_scratch_with_the_recipe_written_out(tmp_path):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "last.ckpt").write_text("")
     assert f"resume={tmp_path / 'run'}" in peer.ours_command(c, 120, tmp_path / "run")
+    c.ours_overrides = ["data.hidden_states=cache", "data.cache_dir=/x"]
+    args = peer.ours_command(c, 120, tmp_path / "y")
+    assert "data.hidden_states=cache" in args and "data.hidden_states=online" not in args and "data.cache_dir=/x" in args
     assert "drafter.num_speculative_tokens=5" in peer.ours_command(cfg(tmp_path, depth_key="drafter.num_speculative_tokens"),
                                                                      120, tmp_path / "x")
 
@@ -184,6 +187,10 @@ def test_cpu_step_seconds_from_a_trace(tmp_path):
             samples.append((5 + 2 * i, cpu, str(step)))  # a stopped process: time passes, CPU does not
     trace.write_text("".join(f"{t}\t{c}\t{s}\n" for t, c, s in samples))
     assert peer.cpu_step_seconds(trace) == [2.0, 2.0, 2.0]
+    # resumed: a new process appends its samples, its CPU counting from 0; no window spans the two
+    resumed = "".join(f"{100 + s}\t{3.0 * (s - 31)}\t{s}\n" for s in range(32, 53))
+    trace.write_text("### first\n" + trace.read_text() + "### resumed\n" + resumed)
+    assert peer.cpu_step_seconds(trace) == [2.0, 2.0, 2.0, 3.0, 3.0]
     assert peer.cpu_step_seconds(tmp_path / "absent.tsv") == []
 
 
