@@ -161,7 +161,8 @@ def target_on_meta(target: Target, layers: bool = True):
 def drafter_on_meta(target: Target, depth: int, draft_vocab_size: int):
     """The Eagle3Drafter Eagle3Drafter.from_target builds for this target, with meta tensors; a draft vocabulary
     larger than the target's is all of it, as training makes it (train/distill.py fit_draft_vocab)."""
-    from speculators.eagle3 import Eagle3Config, Eagle3Drafter, layer_config
+    from speculators.eagle3 import Eagle3Config, Eagle3Drafter
+    from speculators.layers import layer_config
 
     vocab = target.config.vocab_size
     layer_cfg = layer_config(SimpleNamespace(config=target.config, vocab_size=vocab))

@@ -11,6 +11,8 @@ into `out`.
 - ours: `python train.py conf=eagle3_smollm2` from scratch (init_from=null) with the recipe written out
   (4 x 512 tokens a step, lr 1e-3, K=5 with decay 0.8, 8,192-token draft vocabulary, layers [2, 15, 27]);
   the target computes the hidden states every step (data.hidden_states=online).
+- ours_cached: the same, reading the hidden states from our cache of the same rows (`python -m train.hidden_cache`,
+  built once per N like the peer's): the trainers doing the same work a step.
 - peer_matched / peer_defaults: the harness at `harness` (shared/peers/speculators/train_speculators.sh,
   run as it is, never copied) with the same N and steps; peer_defaults adds `peer_defaults_extra` (speculators'
   own EAGLE-3 defaults: EAGLE-3.1 norms, muon) and `peer_defaults_env` (its own TTT depth and step decay).
@@ -36,7 +38,8 @@ from pathlib import Path
 
 from speculators.config import PROJECT_ROOT, UserError, at_least, require, run_command
 
-ARMS = ("ours", "peer_matched", "peer_defaults")
+ARMS = ("ours", "ours_cached", "peer_matched", "peer_defaults")
+OUR_ARMS = ("ours", "ours_cached")
 PEER_ARMS = ("peer_matched", "peer_defaults")
 
 
@@ -106,11 +109,13 @@ def run_dir(cfg: PeerBenchConfig, arm: str, steps: int) -> Path:
 
 # Commands -------------------------------------------------------------------------------------------------------
 
-def ours_command(cfg: PeerBenchConfig, steps: int, folder: Path) -> list[str]:
-    """Our arm, from scratch, the recipe of conf/eagle3_smollm2.yaml written out (the peer matches these)."""
+def ours_command(cfg: PeerBenchConfig, steps: int, folder: Path, cache_dir: Path | None = None) -> list[str]:
+    """Our arm, from scratch, the recipe of conf/eagle3_smollm2.yaml written out (the peer matches these);
+    with `cache_dir`, the hidden states read from our cache instead of the target running every step."""
     args = [sys.executable, "train.py", "conf=eagle3_smollm2", "init_from=null", "logger=none",
             f"data.max_examples={cfg.n}", "data.skip_examples=0", "data.seq_len=512", "data.batch_size=4",
-            "data.hidden_states=online", "target.layer_ids=[2,15,27]", "drafter.family=eagle3",
+            *(["data.hidden_states=online"] if cache_dir is None else ["data.hidden_states=cache", f"data.cache_dir={cache_dir}"]),
+            "target.layer_ids=[2,15,27]", "drafter.family=eagle3",
             f"{cfg.depth_key}={cfg.depth}", "drafter.step_decay=0.8", "drafter.draft_vocab_size=8192",
             "optim.lr=0.001", "optim.warmup_steps=10", "optim.weight_decay=0.0", "optim.beta1=0.9", "optim.beta2=0.95",
             f"trainer.max_steps={steps}", f"trainer.num_threads={cfg.threads}", "trainer.log_every_n_steps=1",
@@ -257,8 +262,9 @@ def train_arm(cfg: PeerBenchConfig, arm: str, steps: int) -> Path:
         print(f"{arm} at {steps} steps: {folder / 'export'} exists, reused", flush=True)
         return folder
     print(f"{arm} at {steps} steps -> {folder}", flush=True)
-    if arm == "ours":
-        run_logged(cfg, ours_command(cfg, steps, folder), {}, folder, "train", STEP_LINES["ours"])
+    if arm in OUR_ARMS:
+        cache_dir = build_cache(cfg) / "cache" if arm == "ours_cached" else None
+        run_logged(cfg, ours_command(cfg, steps, folder, cache_dir), {}, folder, "train", STEP_LINES["ours"])
     else:
         check_peer_venv(cfg)
         args, env = peer_command(cfg, arm, steps, folder)
@@ -373,10 +379,11 @@ def ours_record(folder: Path, peer_split: dict | None) -> dict:
     training = json.loads((folder / "export" / "training.json").read_text())
     rows = re.search(r"data train: .*?; (\d+) rows of (\d+) tokens, (\d+)% of them trained", log)
     per_step = ours_step_seconds(log)
-    rec = {"arm": "ours", "steps": training["steps"], "positions_per_step": training["tokens_seen"] / max(training["steps"], 1),
+    rec = {"arm": folder.parent.name, "steps": training["steps"], "positions_per_step": training["tokens_seen"] / max(training["steps"], 1),
            "train_rows": int(rows.group(1)) if rows else None, "trained_share": int(rows.group(3)) / 100 if rows else None,
            "step_s_median": statistics.median(per_step) if per_step else None, "steps_timed": len(per_step),
-           "wall_time_s": training.get("wall_time_s"), "hidden_states": "online (the target runs every step)"}
+           "wall_time_s": training.get("wall_time_s"),
+           "hidden_states": "online (the target runs every step)" if folder.parent.name == "ours" else "our cache (built once per N)"}
     # The same examples as the peer's rows (its prep_data.py mirrors train/data.py): their real tokens over our rows.
     if peer_split and rec["train_rows"]:
         rec["tokens_per_step"] = peer_split["train_tokens"] / rec["train_rows"] * 4
@@ -685,11 +692,11 @@ def bench(cfg: PeerBenchConfig) -> Path:
     records = []
     for name, folder in folders.items():
         arm = name.split("@")[0]
-        rec = ours_record(folder, split) if arm == "ours" else peer_record(folder)
+        rec = ours_record(folder, split) if arm in OUR_ARMS else peer_record(folder)
         records.append(rec | {"name": name, "arm": arm, "folder": str(folder), "threads": cfg.threads,
                               "command": (folder / "train.cmd").read_text().strip() if (folder / "train.cmd").is_file() else None})
     served = served_results(cfg, folders, out)
-    cache = build_cache(cfg) if cfg.hidden_cache else None
+    cache = build_cache(cfg) if cfg.hidden_cache or "ours_cached" in cfg.arms else None
     rows = rows_of(records, served)
     hidden = {"peer": peer_disk(cfg) | peer_prepare_record(prepared), "ours_cache": cache_record(cache) if cache else {}}
     peer_hidden_s = hidden["peer"].get("cpu_s") or 0.0
@@ -700,13 +707,10 @@ def bench(cfg: PeerBenchConfig) -> Path:
         extra["paired tau difference vs ours (same prompts), mean ± s.e."] = {
             r["name"]: paired(served["drafters"][r["name"]]["tau_per_prompt"], base[r["steps"]])
             for r in rows if r["arm"] != "ours" and r["steps"] in base}
-    ratio = {}
-    for steps in sorted(cfg.steps):
-        ours = next((r for r in rows if r["arm"] == "ours" and r["steps"] == steps), None)
-        for r in rows:
-            if r["arm"] != "ours" and r["steps"] == steps and ours and ours.get("train_tokens_per_cpu_s") \
-                    and r.get("train_tokens_per_cpu_s"):
-                ratio[r["name"]] = ours["train_tokens_per_cpu_s"] / r["train_tokens_per_cpu_s"]
+    speed = {(r["arm"], r["steps"]): r.get("train_tokens_per_cpu_s") for r in rows}
+    ratio = {f"{ours}/{peer}@{steps}": speed[ours, steps] / speed[peer, steps]
+             for ours in OUR_ARMS for peer in PEER_ARMS for steps in sorted(cfg.steps)
+             if speed.get((ours, steps)) and speed.get((peer, steps))}
     extra[f"training tokens per CPU-second, ours / peer, {cfg.threads} thread(s)"] = ratio
     result = {"config": asdict(cfg), "rows": rows, **extra, "served": served,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "git_revision": git_revision()}

@@ -30,10 +30,9 @@ from transformers import LlamaConfig
 from kernels import distill_loss
 from kernels.distill import KINDS
 from speculators.config import UserError, at_least, one_of, require
-from speculators.drafter import Drafter
-from speculators.layers import KVCache, RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
+from speculators.drafter import ParallelDrafter
+from speculators.layers import LayerCaches, RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
 from speculators.mask_token import MaskEmbedding
-from speculators.peagle import LayerCaches
 from speculators.target import FrozenTarget, TargetOutput
 
 
@@ -113,12 +112,11 @@ class DFlashDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDrafter(MaskEmbedding, Drafter):
+class DFlashDrafter(MaskEmbedding, ParallelDrafter):
+    family = "dflash"
     config_class = DFlashConfig
-    export_format = "speculators"
-    speculators_model_type = "dflash"
+    export_formats = ("speculators", "dflash")
     drafts_beyond_depth = False  # a block holds block_size - 1 drafts
-    drafting_kind = "parallel"  # a block of drafts from one drafter pass (inference.drafting.ParallelProposer)
 
     def __init__(self, cfg: DFlashConfig, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
         super().__init__()
@@ -231,8 +229,7 @@ class DFlashDrafter(MaskEmbedding, Drafter):
 
     def new_cache(self, batch: int, max_len: int, device=None) -> LayerCaches:
         """Every layer's context keys and values; blocks are never cached."""
-        c = self.layer_cfg
-        return LayerCaches(KVCache(batch, c.num_attention_heads, max_len, c.head_dim, device) for _ in self.layers)
+        return LayerCaches.of(self.layer_cfg, len(self.layers), batch, max_len, device)
 
     @torch.no_grad()
     def draft(self, cache: LayerCaches, tokens: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:

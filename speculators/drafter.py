@@ -1,21 +1,33 @@
 """The drafter contract: what every family implements (speculators/eagle3.py, eagle.py, peagle.py,
 medusa.py, dflash.py) and all that training (train/module.py), serving (inference/drafting.py, inference/engine.py)
-and export (speculators/export.py) may read. A new family is one file subclassing Drafter, registered
-in speculators/families.py, and one recipe in conf/conf/.
+and export (speculators/export.py) may read.
+
+A family is one file: a subclass of ChainDrafter, ParallelDrafter or HeadsDrafter (how it is served) whose
+class attribute `family` names it, which registers it (FAMILIES), and one recipe in conf/conf/ whose
+drafter.family is that name. The family's name is also the module that defines it: speculators/<family>.py,
+or a module of your own on the Python path (speculators.families imports it on first use). A class that
+leaves out a method its kind needs cannot be built (TypeError naming the method).
 """
+
+from abc import ABCMeta, abstractmethod
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from speculators import draft_vocab
 from speculators.config import UserError
+from speculators.layers import KVCache, LayerCaches
 from speculators.target import FrozenTarget, TargetOutput
 
+FAMILIES: dict[str, type["Drafter"]] = {}  # family name -> class, filled as family classes are defined
 
-class Drafter(nn.Module):
+
+class Drafter(nn.Module, metaclass=ABCMeta):
+    family: ClassVar[str]  # the recipe's drafter.family: defining a class with it registers the family
     config_class: type  # the family's config dataclass (the recipe's drafter.* keys); it has depth
-    export_format: str  # the format speculators.export writes by default (its FORMATS key)
-    drafting_kind: str  # how inference.drafting serves it: autoregressive | parallel | heads
+    export_formats: tuple[str, ...]  # speculators.export's FORMATS that hold it; the first is written by default
+    drafting_kind: str  # how inference.drafting serves it: autoregressive | parallel | heads (the base class sets it)
     drafts_beyond_depth: bool = True  # a K above its depth is served (untrained positions); False: refused
     layer_ids: list[int] = []  # target layers whose hidden states it reads; [] (EAGLE-1, Medusa): the last one only
     left_to_target: tuple[str, ...] = ()  # weights its export left to the target: export.share_target_embedding fills them
@@ -24,15 +36,39 @@ class Drafter(nn.Module):
     t2d: torch.Tensor  # target id -> in the draft vocabulary [V]
     best_k: int | None = None  # the K measured fastest (export.set_best_k); None: not measured, serve its depth
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "family" in cls.__dict__:
+            FAMILIES[cls.family] = cls
+
+    @property
+    def export_format(self) -> str:
+        return self.export_formats[0]
+
     @classmethod
+    @abstractmethod
     def from_target(cls, cfg, target: FrozenTarget, token_counts: torch.Tensor) -> "Drafter":
         """A new drafter for `target`; token_counts [V] (training tokens) choose a draft vocabulary."""
-        raise NotImplementedError
 
+    @abstractmethod
     def training_loss(self, target_out: TargetOutput, input_ids: torch.Tensor,
                       loss_mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """(loss, metrics with acc_step{j} for every draft position j) of a batch, given the target's outputs."""
-        raise NotImplementedError
+
+    @property
+    @abstractmethod
+    def target_hidden_size(self) -> int:
+        """The width of the target's hidden states it reads."""
+
+    @classmethod
+    def from_speculators_config(cls, config: dict, layer_cfg) -> "Drafter":
+        """An empty drafter shaped by a speculators-format config.json (families in that format)."""
+        raise UserError(f"{cls.family} drafters are not written in the speculators format")
+
+    def speculators_extra_config(self) -> dict:
+        """A family exported in the speculators format: its own config.json keys (speculators/export.py
+        writes the shared ones)."""
+        raise UserError(f"{self.family} drafters are not written in the speculators format")
 
     def check(self, target: FrozenTarget) -> list[str]:
         """What keeps this drafter from serving `target` (inference/engine.py check_pair)."""
@@ -73,15 +109,6 @@ class Drafter(nn.Module):
         return "embed_tokens.weight" in self.left_to_target
 
     @property
-    def target_hidden_size(self) -> int:
-        raise NotImplementedError
-
-    def speculators_extra_config(self) -> dict:
-        """A family exported in the speculators format: its own config.json keys (speculators/export.py
-        writes the shared ones)."""
-        raise NotImplementedError
-
-    @property
     def depth(self) -> int:
         """The draft positions it was trained to propose (training-time-test steps, heads, tokens per pass)."""
         return self.cfg.depth
@@ -96,6 +123,64 @@ class Drafter(nn.Module):
     def draft_to_target(self) -> torch.Tensor:
         """Target token ids of the draft vocabulary, in draft-id order."""
         return draft_vocab.target_ids(self.d2t)
+
+
+class ChainDrafter(Drafter):
+    """Served one step per draft token (inference.drafting's chain and tree proposers): EAGLE-1, EAGLE-3."""
+
+    drafting_kind = "autoregressive"
+
+    @abstractmethod
+    def new_cache(self, batch: int, max_len: int, device=None) -> KVCache | LayerCaches:
+        """An empty serving cache (anything with `length` and `crop(length)`)."""
+
+    @abstractmethod
+    def features(self, target_out: TargetOutput) -> torch.Tensor:
+        """Hidden inputs [B, m, H] of verified positions, from the target's outputs."""
+
+    @abstractmethod
+    def step(self, cache, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None,
+             visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft-vocab logits, output hidden states) of m positions appended after `cache`: tokens [B, m] and
+        hidden inputs [B, m, H] (`features` of verified positions, or its own previous output while drafting).
+        Positions default to the next m and attention to causal; a tree draft passes its nodes' positions and
+        `visible` [m, cache.length + m]. `cache.crop` undoes it."""
+
+
+class ParallelDrafter(Drafter):
+    """All K drafts from one drafter pass (inference.drafting.ParallelProposer): P-EAGLE, DFlash."""
+
+    drafting_kind = "parallel"
+
+    @abstractmethod
+    def new_cache(self, batch: int, max_len: int, device=None) -> KVCache | LayerCaches:
+        """An empty serving cache (anything with `length` and `crop(length)`)."""
+
+    @abstractmethod
+    def features(self, target_out: TargetOutput) -> torch.Tensor:
+        """Hidden inputs [B, m, H] of verified positions, from the target's outputs."""
+
+    @abstractmethod
+    def draft(self, cache, tokens: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """Append m verified positions (tokens [1, m], `features` [1, m, H]) to the cache and return draft-vocab
+        logits [k, N] of the next k tokens, from one pass."""
+
+
+class HeadsDrafter(Drafter):
+    """All drafts from heads on the target's last verified state (inference.drafting): Medusa."""
+
+    drafting_kind = "heads"
+
+    @abstractmethod
+    def head_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, depth, V]: every head's logits at one position per row, last_hidden [B, H]."""
+
+
+def eagle3_layout_keys(drafter: Drafter) -> dict:
+    """The speculators config keys of the EAGLE-3 layout (EAGLE-3 and P-EAGLE); EAGLE-3.1 flags off."""
+    return {"target_hidden_size": drafter.target_hidden_size, "eagle_aux_hidden_state_layer_ids": drafter.layer_ids,
+            "norm_before_residual": drafter.cfg.norm_before_residual,  # vLLM assumes true when absent
+            "norm_before_fc": False, "fc_norm": False, "norm_output": False}
 
 
 def speculators_depth(config: dict) -> int:

@@ -33,7 +33,7 @@ Embeddings and lm_head are copies of the target's and stay frozen.
 Serving drafts a chain: each step feeds its f_hat back as the next hidden input with the
 drafted token. Validation measures that for every chain position j (acc_step{j}): the
 unrolled step j reads token t+1+j and its own f_hat of step j-1 at rotary position t+j and
-attends as EAGLE-3's training-time test does (eagle3.ttt_attention). Training computes only
+attends as EAGLE-3's training-time test does (layers.ttt_attention). Training computes only
 step 0, the one it trains.
 """
 
@@ -47,16 +47,18 @@ from transformers import LlamaConfig
 from kernels import distill_loss
 from kernels.distill import KINDS
 from speculators.config import at_least, one_of, require
-from speculators.drafter import Drafter
-from speculators.eagle3 import (
-    Eagle3Attention,
-    Eagle3DecoderLayer,
-    Eagle3Drafter,
+from speculators.drafter import ChainDrafter
+from speculators.layers import (
+    KVCache,
+    LlamaDecoderLayer,
+    RotaryTable,
+    cached_layer,
     layer_config,
+    rope_theta,
+    rotary,
     shift_left,
     ttt_attention,
 )
-from speculators.layers import KVCache, RMSNorm, SwiGLU, rope_theta, rotary
 from speculators.target import FrozenTarget, TargetOutput
 
 
@@ -78,22 +80,10 @@ class EagleConfig:
         one_of("drafter.loss", self.loss, KINDS)
 
 
-class EagleDecoderLayer(nn.Module):
-    """A Llama decoder layer without input_layernorm: EAGLE-1's layer 0 attends over fc's output as is."""
-
-    def __init__(self, c: LlamaConfig):
-        super().__init__()
-        self.self_attn = Eagle3Attention(c, c.hidden_size)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
-
-    finish = Eagle3DecoderLayer.finish  # o_proj, residual add, MLP: as in EAGLE-3
-
-
-class EagleDrafter(Drafter):
+class EagleDrafter(ChainDrafter):
+    family = "eagle"
     config_class = EagleConfig
-    export_format = "eagle"
-    drafting_kind = "autoregressive"  # served one step per draft token (inference.drafting)
+    export_formats = ("eagle",)
 
     def __init__(self, cfg: EagleConfig, layer_cfg: LlamaConfig):
         super().__init__()
@@ -101,12 +91,13 @@ class EagleDrafter(Drafter):
         H, V = layer_cfg.hidden_size, layer_cfg.vocab_size
         self.embed_tokens = nn.Embedding(V, H).requires_grad_(False)  # the target's, frozen
         self.fc = nn.Linear(2 * H, H, bias=True)
-        self.layers = nn.ModuleList([EagleDecoderLayer(layer_cfg)])
+        # A Llama decoder layer without input_layernorm: EAGLE-1's layer 0 attends over fc's output as is.
+        self.layers = nn.ModuleList([LlamaDecoderLayer(layer_cfg, H)])
         self.lm_head = nn.Linear(H, V, bias=False).requires_grad_(False)  # the target's, frozen
         # The full vocabulary: constants, so not saved (the EAGLE format has no maps).
         self.register_buffer("d2t", torch.zeros(V, dtype=torch.long), persistent=False)
         self.register_buffer("t2d", torch.ones(V, dtype=torch.bool), persistent=False)
-        self._rotary = None  # serving-time cos/sin table (rotary_table)
+        self.rotary_table = RotaryTable(layer_cfg)  # serving-time cos/sin
 
     @classmethod
     def from_target(cls, cfg: EagleConfig, target: FrozenTarget, token_counts: torch.Tensor) -> "EagleDrafter":
@@ -166,10 +157,8 @@ class EagleDrafter(Drafter):
             metrics[f"acc_step{j}"] = accuracy(self.lm_head(predicted), target_argmax, loss_mask, j)
         return metrics
 
-    # Served like EAGLE-3: the same preallocated cache, rotary table, and decoder layer over it.
-    rotary_table = Eagle3Drafter.rotary_table
-    new_cache = Eagle3Drafter.new_cache
-    cached_layer = Eagle3Drafter.cached_layer
+    def new_cache(self, batch: int, max_len: int, device=None) -> KVCache:
+        return KVCache.of(self.layer_cfg, batch, max_len, device)
 
     def features(self, target_out: TargetOutput) -> torch.Tensor:
         """Hidden inputs of verified positions: the target's last hidden state (after its final norm)."""
@@ -185,7 +174,7 @@ class EagleDrafter(Drafter):
         `visible` [m, cache.length + m] (context and own ancestors). `cache.crop` undoes it.
         """
         x = self.fuse(tokens, hidden)
-        predicted = self.cached_layer(cache, x, x, positions, visible)
+        predicted = cached_layer(self.layers[0], self.rotary_table, cache, x, x, positions, visible)
         return self.lm_head(predicted), predicted
 
 

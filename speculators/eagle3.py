@@ -20,15 +20,25 @@ position t from steps 1..j (its own draft chain), at rotary position t+j.
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 
 from kernels import distill_loss
 from kernels.distill import KINDS
 from speculators.config import UserError, at_least, one_of, require
-from speculators.drafter import Drafter, speculators_depth
-from speculators.layers import KVCache, RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
+from speculators.drafter import ChainDrafter, eagle3_layout_keys, speculators_depth
+from speculators.layers import (
+    Eagle3DecoderLayer,
+    KVCache,
+    RMSNorm,
+    RotaryTable,
+    cached_layer,
+    layer_config,
+    rope_theta,
+    rotary,
+    shift_left,
+    ttt_attention,
+)
 from speculators.target import FrozenTarget, TargetOutput
 
 
@@ -59,90 +69,10 @@ class Eagle3Config:
 EAGLE31_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")  # exported as config flags of these names
 
 
-def layer_config(target: FrozenTarget, intermediate_size: int | None = None) -> LlamaConfig:
-    """The drafter's decoder layer: the target's attention and MLP shapes (the MLP as wide as
-    `intermediate_size` when given), one layer, the target's vocab."""
-    c = target.config
-    return LlamaConfig(
-        hidden_size=c.hidden_size, intermediate_size=intermediate_size or c.intermediate_size,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), max_position_embeddings=c.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta(c)},
-        num_hidden_layers=1, vocab_size=target.vocab_size, tie_word_embeddings=False,
-    )
-
-
-class Eagle3Attention(nn.Module):
-    """Llama attention over inputs `in_features` wide: 2H in EAGLE-3 (embeddings and hidden
-    side by side), H in EAGLE-1 (speculators.eagle)."""
-
-    def __init__(self, c: LlamaConfig, in_features: int):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(in_features, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False)
-
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Rotated q [B, heads, T, d] and k, v [B, heads, T, d] (kv heads repeated for GQA)."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        group = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
-
-
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """Attention of TTT step j = len(keys) - 1, all tensors [B, heads, T, d].
-
-    keys[0]/values[0] come from step 0 and are seen causally; keys[i] (i >= 1) from step i
-    and are seen only at the query's own position (the diagonal). One fused attention over the
-    steps' keys side by side, under that mask: it never materialises the scores, which cost more
-    in copies and gradients than in arithmetic (about 1.7x faster than an explicit softmax on CPU).
-    """
-    return F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2),
-                                          attn_mask=ttt_mask(q.shape[2], len(keys), q.device))
-
-
-def ttt_mask(T: int, steps: int, device) -> torch.Tensor:
-    """[T, steps * T] bool: causal over step 0's keys, the diagonal of every later step's."""
-    mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    return torch.cat([mask, *[torch.eye(T, dtype=torch.bool, device=device)] * (steps - 1)], dim=1)
-
-
-class Eagle3DecoderLayer(nn.Module):
-    def __init__(self, c: LlamaConfig, norm_before_residual: bool):
-        super().__init__()
-        self.norm_before_residual = norm_before_residual
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Eagle3Attention(c, 2 * c.hidden_size)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
-
-    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor):
-        """(residual, 2H-wide attention input) for token embeddings and hidden states."""
-        normed = self.hidden_norm(hidden)
-        residual = normed if self.norm_before_residual else hidden
-        return residual, torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-
-    def finish(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """o_proj, residual add and MLP; attn is [B, heads, T, d]."""
-        B, _, T, _ = attn.shape
-        h = residual + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(ChainDrafter):
+    family = "eagle3"
     config_class = Eagle3Config
-    export_format = "speculators"
-    speculators_model_type = "eagle3"
-    drafting_kind = "autoregressive"  # served one step per draft token (inference.drafting)
+    export_formats = ("speculators", "eagle3", "gguf")
 
     def __init__(self, cfg: Eagle3Config, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
         super().__init__()
@@ -155,7 +85,7 @@ class Eagle3Drafter(Drafter):
         self.layers = nn.ModuleList([Eagle3DecoderLayer(layer_cfg, cfg.norm_before_residual)])
         self.norm = RMSNorm(H, layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, N, bias=False)
-        self._rotary = None  # serving-time cos/sin table (rotary_table)
+        self.rotary_table = RotaryTable(layer_cfg)  # serving-time cos/sin
 
     @classmethod
     def from_target(cls, cfg: Eagle3Config, target: FrozenTarget, token_counts: torch.Tensor) -> "Eagle3Drafter":
@@ -179,7 +109,7 @@ class Eagle3Drafter(Drafter):
         return cls(cfg, layer_cfg, config["eagle_aux_hidden_state_layer_ids"], config["target_hidden_size"])
 
     def speculators_extra_config(self) -> dict:
-        return eagle_speculators_keys(self) | {flag: True for flag in self.eagle31_flags}
+        return eagle3_layout_keys(self) | {flag: True for flag in self.eagle31_flags}
 
     @property
     def eagle31_flags(self) -> list[str]:
@@ -248,17 +178,8 @@ class Eagle3Drafter(Drafter):
         values[0].append(v)
         return layer.finish(residual, ttt_attention(q, keys[0], values[0]))
 
-    def rotary_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [positions, head_dim] of at least `length` positions, computed once per growth:
-        while serving, every drafter call would otherwise rebuild them."""
-        if self._rotary is None or len(self._rotary[0]) < length:
-            positions = torch.arange(max(length, 1024), device=self.d2t.device)
-            self._rotary = rotary(positions, self.layer_cfg.head_dim, rope_theta(self.layer_cfg))
-        return self._rotary
-
     def new_cache(self, batch: int, max_len: int, device=None) -> KVCache:
-        c = self.layer_cfg
-        return KVCache(batch, c.num_attention_heads, max_len, c.head_dim, device)
+        return KVCache.of(self.layer_cfg, batch, max_len, device)
 
     def features(self, target_out: TargetOutput) -> torch.Tensor:
         """Hidden inputs of verified positions: the fused low/mid/high target features."""
@@ -274,33 +195,5 @@ class Eagle3Drafter(Drafter):
         and `visible` [m, cache.length + m] (context and own ancestors). `cache.crop` undoes it.
         """
         residual, x = self.layers[0].attention_input(self.embed_tokens(tokens), hidden)
-        hidden = self.carried(self.cached_layer(cache, residual, x, positions, visible))
+        hidden = self.carried(cached_layer(self.layers[0], self.rotary_table, cache, residual, x, positions, visible))
         return self.logits(hidden), hidden
-
-    def cached_layer(self, cache: KVCache, residual: torch.Tensor, x: torch.Tensor, positions: torch.Tensor | None,
-                     visible: torch.Tensor | None) -> torch.Tensor:
-        """The decoder layer over m positions appended after `cache` (attention input x [B, m, *],
-        residual [B, m, H]), as `step` describes positions and visibility; shared with EAGLE-1."""
-        layer, start, m = self.layers[0], cache.length, x.shape[1]
-        if positions is None:
-            cos, sin = (table[start : start + m] for table in self.rotary_table(start + m))
-            visible = torch.arange(start + m, device=x.device)[None, :] <= torch.arange(
-                start, start + m, device=x.device)[:, None]
-        else:
-            cos, sin = (table[positions] for table in self.rotary_table(int(positions.max()) + 1))
-        q, k, v = layer.self_attn.qkv(x, cos, sin)
-        keys, values = cache.append(k, v)
-        return layer.finish(residual, F.scaled_dot_product_attention(q, keys, values, attn_mask=visible))
-
-
-def eagle_speculators_keys(drafter) -> dict:
-    """The speculators config keys of the EAGLE-3 layout (EAGLE-3 and P-EAGLE); EAGLE-3.1 flags off."""
-    return {"target_hidden_size": drafter.target_hidden_size, "eagle_aux_hidden_state_layer_ids": drafter.layer_ids,
-            "norm_before_residual": drafter.cfg.norm_before_residual,  # vLLM assumes true when absent
-            "norm_before_fc": False, "fc_norm": False, "norm_output": False}
-
-
-def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x[:, n:] padded with zeros to x's length along dim 1: the value n positions ahead."""
-    pad = torch.zeros_like(x[:, :n])
-    return torch.cat([x[:, n:], pad], dim=1)

@@ -71,6 +71,7 @@ from speculators.config import UserError
 from speculators.layers import decoding_linears, rope_theta
 
 SPECULATORS_VERSION = "0.3.0"
+# vLLM's class names of the speculators families it serves; a family of your own records its class's name.
 SPECULATORS_ARCHITECTURES = {"eagle3": "Eagle3DraftModel", "peagle": "PEagleSpeculator", "dflash": "DFlashSpeculator"}
 
 
@@ -103,9 +104,9 @@ def speculators_config(drafter, verifier: Verifier) -> dict:
     layer = drafter.layer_cfg.to_dict()
     layer.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=len(drafter.layers),
                  vocab_size=len(drafter.t2d))
-    kind = drafter.speculators_model_type
+    kind = drafter.family  # a family's speculators_model_type is its name
     return {
-        "architectures": [SPECULATORS_ARCHITECTURES[kind]],
+        "architectures": [SPECULATORS_ARCHITECTURES.get(kind, type(drafter).__name__)],
         "speculators_model_type": kind,
         "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
@@ -130,16 +131,14 @@ def write_speculators(drafter, verifier: Verifier) -> tuple[dict, dict]:
 
 
 def read_speculators(config: dict, weights: dict):
-    from speculators.families import FAMILIES
-
     kind = config.get("speculators_model_type")
-    if kind not in SPECULATORS_ARCHITECTURES:
+    if not isinstance(kind, str) or "speculators" not in family_class(kind, "speculators").export_formats:
         raise UserError(f"speculators_model_type {kind!r} is not supported here; "
-                        f"supported: {', '.join(SPECULATORS_ARCHITECTURES)}")
+                        f"supported: {', '.join(families_of('speculators'))}")
     layer_cfg = LlamaConfig(**{k: v for k, v in config["transformer_layer_config"].items()
                                if k not in ("architectures", "model_type")})
     draft_vocab.check(weights.get("d2t"), weights.get("t2d"), layer_cfg.vocab_size, config["draft_vocab_size"])
-    drafter = FAMILIES[kind].from_speculators_config(config, layer_cfg)
+    drafter = family_class(kind, "speculators").from_speculators_config(config, layer_cfg)
     drafter.best_k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     return drafter, weights
 
@@ -309,7 +308,6 @@ def read_medusa(config: dict, weights: dict):
 
 
 class Format(NamedTuple):
-    families: tuple[str, ...]  # the drafter families it can hold
     write: Callable  # (drafter, Verifier) -> (config, weights in the format's names)
     read: Callable  # (config, weights) -> (an empty drafter shaped by config, weights in the drafter's names)
     verifier: Callable  # config -> the target's name_or_path it records, or None
@@ -319,23 +317,41 @@ class Format(NamedTuple):
     left_to_target: tuple[str, ...] = ()  # weights an export may leave out: the target's (share_target_embedding)
 
 
-# A drafter class names its format in `export_format`.
+# A drafter class names the formats that hold it in `export_formats`.
 FORMATS = {
-    "speculators": Format(("eagle3", "peagle", "dflash"), write_speculators, read_speculators,
+    "speculators": Format(write_speculators, read_speculators,
                           lambda config: config["speculators_config"]["verifier"]["name_or_path"],
                           left_to_target=("embed_tokens.weight",)),
-    "eagle": Format(("eagle",), write_eagle, read_eagle, lambda config: config["base_model_name_or_path"]),
-    "eagle3": Format(("eagle3",), write_eagle3, read_eagle3, lambda config: None),  # it does not name its target
-    "dflash": Format(("dflash",), write_dflash, read_dflash, lambda config: None, extra_file=MASK_FILE,
+    "eagle": Format(write_eagle, read_eagle, lambda config: config["base_model_name_or_path"]),
+    "eagle3": Format(write_eagle3, read_eagle3, lambda config: None),  # it does not name its target
+    "dflash": Format(write_dflash, read_dflash, lambda config: None, extra_file=MASK_FILE,
                      left_to_target=("embed_tokens.weight", "lm_head.weight", "mask_embedding")),
     # Medusa's loaders (FasterDecoding/Medusa, TGI, TensorRT-LLM) look for this file name.
-    "medusa": Format(("medusa",), write_medusa, read_medusa, lambda config: config["base_model_name_or_path"],
+    "medusa": Format(write_medusa, read_medusa, lambda config: config["base_model_name_or_path"],
                      "medusa_lm_head.safetensors"),
     # llama.cpp (-md draft.gguf --spec-type draft-eagle3): one .gguf file, written only (speculators/export_gguf.py).
-    "gguf": Format(("eagle3",), None, None, None,
+    "gguf": Format(None, None, None,
                    save=lambda drafter, out, verifier, overwrite: export_gguf.save(drafter, out, verifier.name_or_path,
                                                                                    overwrite)),
 }
+
+
+def families_of(fmt: str) -> list[str]:
+    """The drafter families a format holds, as their classes say (export_formats)."""
+    from speculators.families import FAMILIES
+
+    return [name for name, cls in FAMILIES.items() if fmt in cls.export_formats]
+
+
+def family_class(name: str, fmt: str) -> type:
+    """The class of family `name`, read from an export in format `fmt` (an unknown name: one line)."""
+    from speculators.families import family
+
+    try:
+        return family(name)
+    except UserError:
+        raise UserError(f"a {fmt} export of a drafter family {name!r} this installation does not have; "
+                        f"known: {', '.join(families_of(fmt))}") from None
 
 
 def format_of(config: dict) -> str | None:
@@ -364,8 +380,8 @@ def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, tr
     fmt = fmt or drafter.export_format
     if fmt not in FORMATS:
         raise UserError(f"unknown export format {fmt!r}; allowed: {', '.join(FORMATS)}")
-    if drafter.cfg.family not in FORMATS[fmt].families:
-        raise UserError(f"the {fmt} format holds {', '.join(FORMATS[fmt].families)} drafters, not {drafter.cfg.family}")
+    if fmt not in drafter.export_formats:
+        raise UserError(f"the {fmt} format holds {', '.join(families_of(fmt))} drafters, not {drafter.family}")
     if FORMATS[fmt].save is not None:
         return FORMATS[fmt].save(drafter, out_dir, verifier, overwrite)
     config, weights = FORMATS[fmt].write(drafter, verifier)  # validates before anything is written

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from speculators.config import require
-from speculators.eagle3 import layer_config
+from speculators.layers import layer_config
 
 
 class MaskEmbedding:

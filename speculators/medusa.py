@@ -44,8 +44,8 @@ from torch import nn
 from kernels import distill_loss
 from kernels.distill import KINDS
 from speculators.config import UserError, at_least, one_of, require
-from speculators.drafter import Drafter
-from speculators.eagle3 import shift_left
+from speculators.drafter import HeadsDrafter
+from speculators.layers import shift_left
 from speculators.target import FrozenTarget, TargetOutput
 
 # Medusa's mc_sim_7b_63 up to 16 nodes, in its order (likeliest accepted first).
@@ -107,11 +107,11 @@ def medusa_head(hidden_size: int, vocab_size: int, num_layers: int) -> nn.Sequen
                          nn.Linear(hidden_size, vocab_size, bias=False))
 
 
-class MedusaDrafter(Drafter):
+class MedusaDrafter(HeadsDrafter):
+    family = "medusa"
     config_class = MedusaConfig
-    export_format = "medusa"
+    export_formats = ("medusa",)
     drafts_beyond_depth = False  # one head per position
-    drafting_kind = "heads"  # all drafts from the heads at one position (inference.drafting)
 
     def __init__(self, cfg: MedusaConfig, hidden_size: int, vocab_size: int):
         super().__init__()

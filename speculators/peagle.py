@@ -10,7 +10,7 @@ d = 0..K-1 at every anchor t:
 at rotary position t+d; depth d is trained on the target's distribution at t+1+d (it
 drafts token t+2+d). A query (t, d) sees the depth-0 keys of positions <= t and its own
 chain (t, d') for d' <= d: the shape of EAGLE-3's training-time test, so
-`eagle3.ttt_attention` computes it. No input of depth d depends on another depth's output,
+`layers.ttt_attention` computes it. No input of depth d depends on another depth's output,
 so training computes every depth in one pass. mask_hidden [1, 1, n_aux*H] stands where the
 target's concatenated features stand and goes through fc like them (speculators and vLLM do
 the same: vLLM's proposer fuses it with the drafter's own fc).
@@ -56,16 +56,18 @@ from transformers import LlamaConfig
 from kernels import distill_loss
 from kernels.distill import KINDS
 from speculators.config import at_least, one_of, require
-from speculators.drafter import Drafter, speculators_depth
-from speculators.eagle3 import (
-    Eagle3Attention,
+from speculators.drafter import ParallelDrafter, eagle3_layout_keys, speculators_depth
+from speculators.layers import (
     Eagle3DecoderLayer,
-    Eagle3Drafter,
-    eagle_speculators_keys,
+    LayerCaches,
+    LlamaDecoderLayer,
+    RMSNorm,
+    RotaryTable,
+    rope_theta,
+    rotary,
     shift_left,
     ttt_attention,
 )
-from speculators.layers import KVCache, RMSNorm, SwiGLU, rope_theta, rotary
 from speculators.mask_token import MaskEmbedding
 from speculators.target import FrozenTarget, TargetOutput
 
@@ -95,40 +97,22 @@ class PEagleConfig:
         return 1.0 if depth == 0 else max(self.keep_ratio**depth, self.min_keep)
 
 
-class PEagleDecoderLayer(nn.Module):
+class PEagleDecoderLayer(LlamaDecoderLayer):
     """Layers 1..: a Llama decoder layer over the hidden stream; token embeddings enter layer 0 only."""
 
     def __init__(self, c: LlamaConfig):
-        super().__init__()
+        super().__init__(c, c.hidden_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Eagle3Attention(c, c.hidden_size)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
     def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor):
         """(residual, attention input), as Eagle3DecoderLayer.attention_input; `embeds` is not read."""
         return hidden, self.input_layernorm(hidden)
 
-    finish = Eagle3DecoderLayer.finish  # o_proj, residual add, MLP
 
-
-class LayerCaches(list):
-    """One speculators.layers.KVCache per decoder layer, grown and cropped together."""
-
-    @property
-    def length(self) -> int:
-        return self[0].length
-
-    def crop(self, length: int) -> None:
-        for cache in self:
-            cache.crop(length)
-
-
-class PEagleDrafter(MaskEmbedding, Drafter):
+class PEagleDrafter(MaskEmbedding, ParallelDrafter):
+    family = "peagle"
     config_class = PEagleConfig
-    export_format = "speculators"
-    speculators_model_type = "peagle"
-    drafting_kind = "parallel"  # all k drafts from one drafter pass (inference.drafting.ParallelProposer)
+    export_formats = ("speculators",)
 
     def __init__(self, cfg: PEagleConfig, layer_cfg: LlamaConfig, layer_ids: list[int], target_hidden_size: int):
         super().__init__()
@@ -141,7 +125,7 @@ class PEagleDrafter(MaskEmbedding, Drafter):
                                     + [PEagleDecoderLayer(layer_cfg) for _ in range(cfg.num_layers - 1)])
         self.norm = RMSNorm(H, layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, N, bias=False)
-        self._rotary = None  # serving-time cos/sin table (rotary_table)
+        self.rotary_table = RotaryTable(layer_cfg)  # serving-time cos/sin
 
     @classmethod
     def from_target(cls, cfg: PEagleConfig, target: FrozenTarget, token_counts: torch.Tensor) -> "PEagleDrafter":
@@ -161,7 +145,7 @@ class PEagleDrafter(MaskEmbedding, Drafter):
     def speculators_extra_config(self) -> dict:
         """vLLM reads mask_token_id (its P-EAGLE config maps it to the proposer's mask token); the
         drop-token ratios, under speculators' names, record how the drafter was trained."""
-        return eagle_speculators_keys(self) | {"mask_token_id": self.cfg.mask_token_id,
+        return eagle3_layout_keys(self) | {"mask_token_id": self.cfg.mask_token_id,
                                                "down_sample_ratio": self.cfg.keep_ratio,
                                                "down_sample_ratio_min": self.cfg.min_keep}
 
@@ -236,11 +220,8 @@ class PEagleDrafter(MaskEmbedding, Drafter):
 
     # --- serving ----------------------------------------------------------------------------------
 
-    rotary_table = Eagle3Drafter.rotary_table  # cos/sin computed once per growth, as EAGLE-3 serves
-
     def new_cache(self, batch: int, max_len: int, device=None) -> LayerCaches:
-        c = self.layer_cfg
-        return LayerCaches(KVCache(batch, c.num_attention_heads, max_len, c.head_dim, device) for _ in self.layers)
+        return LayerCaches.of(self.layer_cfg, len(self.layers), batch, max_len, device)
 
     @torch.no_grad()
     def draft(self, cache: LayerCaches, tokens: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
@@ -251,7 +232,7 @@ class PEagleDrafter(MaskEmbedding, Drafter):
         tokens = torch.cat([tokens, tokens.new_full((1, masks), self.cfg.mask_token_id)], dim=1)
         hidden = torch.cat([hidden, self.mask_feature().expand(1, masks, -1)], dim=1)
         end = start + m + masks
-        cos, sin = (table[start:end] for table in self.rotary_table(end))
+        cos, sin = (table[start:end] for table in self.rotary_table(end, tokens.device))
         positions = torch.arange(end, device=tokens.device)
         causal = positions[None, :] <= positions[start:, None]
         embeds = self.embed(tokens)

@@ -17,9 +17,9 @@ from inference.engine import generate
 from speculators import draft_vocab, export
 from speculators.config import UserError
 from speculators.dflash import DFlashConfig, DFlashDrafter
-from speculators.eagle3 import layer_config
 from speculators.export import Verifier
 from speculators.families import family
+from speculators.layers import layer_config
 from speculators.target import TargetOutput
 
 B = 5  # block size: 4 drafts per pass

@@ -6,7 +6,8 @@ from conftest import DRAFT_VOCAB, LAYER_IDS
 
 from speculators import draft_vocab
 from speculators.config import UserError
-from speculators.eagle3 import Eagle3Config, Eagle3Drafter, layer_config, ttt_attention
+from speculators.eagle3 import Eagle3Config, Eagle3Drafter
+from speculators.layers import layer_config, ttt_attention
 from speculators.target import TargetOutput
 
 

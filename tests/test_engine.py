@@ -30,7 +30,8 @@ from inference.drafting import DraftingConfig
 from inference.engine import Stats, check_pair, generate, verify_sampling
 from inference.sessions import HFSession, open_session
 from speculators.config import UserError
-from speculators.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
+from speculators.eagle3 import Eagle3Config, Eagle3Drafter
+from speculators.layers import shift_left
 from speculators.target import FrozenTarget
 
 MAX_NEW = 40

@@ -160,7 +160,8 @@ def test_save_refuses_broken_maps_and_keeps_the_previous_export(llama_target, ma
 
 
 def test_save_refuses_a_drafter_never_given_a_vocab(llama_target, make_drafter, tmp_path):
-    from speculators.eagle3 import Eagle3Drafter, layer_config
+    from speculators.eagle3 import Eagle3Drafter
+    from speculators.layers import layer_config
 
     built = make_drafter(llama_target)
     bare = Eagle3Drafter(built.cfg, layer_config(llama_target), LAYER_IDS, llama_target.hidden_size)

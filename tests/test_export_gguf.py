@@ -209,7 +209,8 @@ def test_refuses_what_llamacpp_cannot_serve(llama_target, llama_dir, make_drafte
 
 
 def test_refuses_bad_maps_layers_and_overwrite(llama_target, llama_dir, make_drafter, tmp_path):
-    from speculators.eagle3 import Eagle3Drafter, layer_config
+    from speculators.eagle3 import Eagle3Drafter
+    from speculators.layers import layer_config
 
     out = tmp_path / "d.gguf"
     drafter = make_drafter(llama_target)

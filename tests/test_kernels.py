@@ -112,7 +112,7 @@ def test_distill_loss_matches_reference(seed, impl):
 def test_distill_loss_reference_is_the_eagle3_loss_and_kl():
     """soft CE as speculators.eagle3 computes it (shift_left of the target's draft-vocab
     softmax), and KL = soft CE - entropy of p."""
-    from speculators.eagle3 import shift_left
+    from speculators.layers import shift_left
 
     gen = torch.Generator().manual_seed(0)
     B, T, D, V, shift = 2, 8, 11, 30, 2

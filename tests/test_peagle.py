@@ -14,10 +14,9 @@ from test_cli import run_train
 from inference.engine import generate
 from speculators import draft_vocab, export
 from speculators.config import UserError
-from speculators.eagle3 import layer_config, shift_left
 from speculators.export import Verifier
 from speculators.families import family
-from speculators.layers import rope_theta, rotary
+from speculators.layers import layer_config, rope_theta, rotary, shift_left
 from speculators.peagle import PEagleConfig, PEagleDrafter
 from speculators.target import TargetOutput
 

@@ -70,6 +70,9 @@ def test_ours_command_trains_from_scratch_with_the_recipe_written_out(tmp_path):
     c.ours_overrides = ["data.hidden_states=cache", "data.cache_dir=/x"]
     args = peer.ours_command(c, 120, tmp_path / "y")
     assert "data.hidden_states=cache" in args and "data.hidden_states=online" not in args and "data.cache_dir=/x" in args
+    cached = peer.ours_command(cfg(tmp_path), 120, tmp_path / "z", cache_dir=tmp_path / "cache")  # the ours_cached arm
+    assert "data.hidden_states=cache" in cached and f"data.cache_dir={tmp_path / 'cache'}" in cached
+    assert "data.hidden_states=online" not in cached
     assert "drafter.num_speculative_tokens=5" in peer.ours_command(cfg(tmp_path, depth_key="drafter.num_speculative_tokens"),
                                                                      120, tmp_path / "x")
 
@@ -89,7 +92,7 @@ def test_run_dirs_differ_per_arm_budget_and_threads(tmp_path):
     dirs = {peer.run_dir(c, a, s) for a in peer.ARMS for s in (120, 480)}
     c.threads = 2
     dirs |= {peer.run_dir(c, "ours", 120)}
-    assert len(dirs) == 7
+    assert len(dirs) == 2 * len(peer.ARMS) + 1
 
 
 def test_done_arms_are_reused(tmp_path, monkeypatch):
