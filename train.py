@@ -6,7 +6,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from speculators.config import exit_on_user_error, run_cli
+from common.config import exit_on_user_error, run_cli
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

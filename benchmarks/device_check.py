@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from speculators.config import PROJECT_ROOT, at_least, run_command
+from common.config import PROJECT_ROOT, at_least, run_command
 
 GIB = 2**30
 
@@ -133,7 +133,7 @@ def compose_recipe(name: str, overrides: list[str]):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from speculators.config import check_resolvable, to_dataclass
+    from common.config import check_resolvable, to_dataclass
     from train.recipes import DrafterRecipe
 
     GlobalHydra.instance().clear()  # this command's own config is composed already
@@ -147,8 +147,8 @@ def train_steps(recipe, device: torch.device, steps: int, warmup_steps: int) -> 
     """Train the recipe's drafter warmup_steps + steps optimizer steps on `device`; time the last `steps`."""
     from torch.utils.data import DataLoader
 
+    from common.config import to_dataclass
     from speculators import draft_vocab
-    from speculators.config import to_dataclass
     from speculators.families import family
     from speculators.quant import weight_bytes
     from speculators.target import FrozenTarget

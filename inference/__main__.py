@@ -8,11 +8,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from inference import evalsets, report  # report registers the groups its config uses
-from speculators.config import exit_on_user_error, run_cli, to_dataclass
+from common.config import exit_on_user_error, run_cli, to_dataclass
+from inference import evalsets, report
 
 
-# Its own config folder: `target=<path>` is a plain value here, not the training group.
+# Its own config folder (conf/eval and conf/quant linked in): `target=<path>` is a plain value here, not the
+# training group.
 @hydra.main(config_path="../conf/inference", config_name="config", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.config import UserError, at_least, one_of, require
 from inference.sessions import BatchSlots, open_session
-from speculators.config import UserError, at_least, one_of, require
 from speculators.target import TargetOutput
 
 
@@ -106,19 +106,24 @@ class Draft:
 def draft_distribution(to_target: torch.Tensor, vocab_size: int, draft_logits: torch.Tensor,
                        temperature: float) -> torch.Tensor:
     """q over the target vocabulary: the drafter's tempered softmax, zero outside the draft vocab."""
-    q = torch.zeros(vocab_size)
+    q = torch.zeros(vocab_size, device=draft_logits.device)
     q[to_target] = torch.softmax(draft_logits / temperature, -1)
     return q
+
+
+def sample(q: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of q from the seeded CPU generator, wherever q lives."""
+    return torch.multinomial(q.cpu(), 1, generator=generator)
 
 
 class DrafterCacheProposer:
     """A trained drafter with a cache of its own over the verified positions; the prefill reads the
     prompt's target features, position t with token t+1 (the first emitted token last)."""
 
-    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
-        self.drafter, self.k, self.vocab_size = drafter, k, vocab_size
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig, device=None):
+        self.drafter, self.k, self.vocab_size, self.device = drafter, k, vocab_size, device
         self.to_target = drafter.draft_to_target  # draft id -> target id, once per generation
-        self.cache = drafter.new_cache(1, max_len)
+        self.cache = drafter.new_cache(1, max_len, device)
 
     def prefill(self, prompt: list[int], token: int, target_out: TargetOutput) -> None:
         self.accept(prompt[1:] + [token], target_out)
@@ -132,12 +137,12 @@ class ChainProposer(DrafterCacheProposer):
     decision reads the drafter's distribution, never the token drawn from it, so sampled
     verification stays lossless."""
 
-    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
-        super().__init__(drafter, k, vocab_size, max_len, drafting)
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig, device=None):
+        super().__init__(drafter, k, vocab_size, max_len, drafting, device)
         self.min_prob = drafting.chain_min_prob
 
     def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
-        self.logits, self.hidden = self.drafter.step(self.cache, torch.tensor([new_tokens]),
+        self.logits, self.hidden = self.drafter.step(self.cache, torch.tensor([new_tokens], device=self.device),
                                                      self.drafter.features(target_out))
 
     def propose(self, temperature: float, generator: torch.Generator) -> Draft:
@@ -145,14 +150,15 @@ class ChainProposer(DrafterCacheProposer):
         logits, hidden = self.logits, self.hidden
         for i in range(self.k):
             if i:
-                logits, hidden = self.drafter.step(self.cache, torch.tensor([tokens[-1:]]), hidden[:, -1:])
+                logits, hidden = self.drafter.step(self.cache, torch.tensor([tokens[-1:]], device=self.device),
+                                                   hidden[:, -1:])
                 if self.min_prob and torch.softmax(logits[0, -1], -1).max() < self.min_prob:
                     break
             if temperature == 0:
                 tokens.append(int(self.to_target[logits[0, -1].argmax()]))
             else:
                 q = draft_distribution(self.to_target, self.vocab_size, logits[0, -1], temperature)
-                tokens.append(int(torch.multinomial(q, 1, generator=generator)))
+                tokens.append(int(sample(q, generator)))
                 probs.append(q)
         self.cache.crop(verified)
         return Draft.chain(tokens, torch.stack(probs) if probs else None)
@@ -169,8 +175,8 @@ class DynamicTreeProposer(ChainProposer):
     <= 0), so the kept set is a tree.
     """
 
-    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
-        super().__init__(drafter, k, vocab_size, max_len, drafting)
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig, device=None):
+        super().__init__(drafter, k, vocab_size, max_len, drafting, device)
         self.top_k, self.total_tokens = drafting.tree_top_k, drafting.tree_total_tokens
 
     def propose(self, temperature: float, generator: torch.Generator) -> Draft:
@@ -193,10 +199,10 @@ class DynamicTreeProposer(ChainProposer):
             frontier = sorted(candidates, key=lambda n: -scores[n])[: self.top_k]
             slot |= {n: len(slot) + i for i, n in enumerate(frontier)}
             logits, hidden = self.drafter.step(
-                self.cache, torch.tensor([[tokens[n] for n in frontier]]),
+                self.cache, torch.tensor([[tokens[n] for n in frontier]], device=self.device),
                 torch.stack([parent_hidden[parents[n]] for n in frontier])[None],
-                positions=torch.full((len(frontier),), verified + depth - 1),
-                visible=self.visibility(verified, frontier, parents, slot))
+                positions=torch.full((len(frontier),), verified + depth - 1, device=self.device),
+                visible=self.visibility(verified, frontier, parents, slot).to(self.device))
             candidates = []
             for i, n in enumerate(frontier):
                 parent_hidden[n] = hidden[0, i]
@@ -255,7 +261,8 @@ def serving_k(drafter, k: int | None) -> int:
     return k
 
 
-def make_proposer(drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
+def make_proposer(drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig, device=None):
+    """The proposer of `drafter` in `drafting.mode`; its tensors on `device` (the target's)."""
     if drafting.mode not in modes(drafter):
         raise UserError(f"drafting.mode={drafting.mode!r} is not available for a {type(drafter).__name__}; "
                         f"allowed: {', '.join(modes(drafter))}")
@@ -263,7 +270,7 @@ def make_proposer(drafter, k: int, vocab_size: int, max_len: int, drafting: Draf
     if drafting.chain_min_prob and proposer_class is not ChainProposer:
         raise UserError(f"drafting.chain_min_prob={drafting.chain_min_prob} ends EAGLE chains early; a "
                         f"{type(drafter).__name__} in drafting.mode={drafting.mode} drafts otherwise (set it to 0)")
-    proposer = proposer_class(drafter, k, vocab_size, max_len, drafting)
+    proposer = proposer_class(drafter, k, vocab_size, max_len, drafting, device)
     if drafting.prompt_lookup_max:
         return LookupProposer(proposer, k, vocab_size, drafting)
     return proposer
@@ -332,7 +339,7 @@ class ParallelProposer(DrafterCacheProposer):
     unread: tuple[torch.Tensor, torch.Tensor] | None = None  # verified tokens [1, m] and their features
 
     def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
-        tokens, features = torch.tensor([new_tokens]), self.drafter.features(target_out)
+        tokens, features = torch.tensor([new_tokens], device=self.device), self.drafter.features(target_out)
         if self.unread is not None:
             tokens, features = torch.cat([self.unread[0], tokens], 1), torch.cat([self.unread[1], features], 1)
         self.unread = tokens, features
@@ -343,7 +350,7 @@ class ParallelProposer(DrafterCacheProposer):
         if temperature == 0:
             return Draft.chain(self.to_target[logits.argmax(-1)].tolist())
         q = torch.stack([draft_distribution(self.to_target, self.vocab_size, row, temperature) for row in logits])
-        return Draft.chain(torch.multinomial(q, 1, generator=generator)[:, 0].tolist(), q)
+        return Draft.chain(sample(q, generator)[:, 0].tolist(), q)
 
 
 PROPOSERS["parallel", "chain"] = ParallelProposer
@@ -356,7 +363,7 @@ class MedusaChainProposer:
     drafts do not condition on each other: argmax each (greedy), or sample each from its
     head's tempered softmax, q over the target vocabulary (Medusa's is the target's)."""
 
-    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig, device=None):
         if k > drafter.depth:
             raise UserError(f"k={k} is not valid: a Medusa drafter with "
                             f"{drafter.depth} heads drafts at most {drafter.depth}")
@@ -372,7 +379,7 @@ class MedusaChainProposer:
         if temperature == 0:
             return Draft.chain(self.logits.argmax(-1).tolist())
         q = torch.softmax(self.logits / temperature, -1)
-        return Draft.chain(torch.multinomial(q, 1, generator=generator)[:, 0].tolist(), q)
+        return Draft.chain(sample(q, generator)[:, 0].tolist(), q)
 
 
 class MedusaTreeProposer(MedusaChainProposer):
@@ -382,8 +389,8 @@ class MedusaTreeProposer(MedusaChainProposer):
     `tree_total_tokens` in the config's order (parents are listed first, so every prefix is a
     tree), the number of nodes the engine makes room for in its verify pass."""
 
-    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
-        super().__init__(drafter, k, vocab_size, max_len, drafting)
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig, device=None):
+        super().__init__(drafter, k, vocab_size, max_len, drafting, device)
         kept = [tuple(path) for path in drafter.cfg.tree_choices if len(path) <= k][: drafting.tree_total_tokens]
         self.paths = sorted(kept, key=lambda path: (len(path), path))  # by depth: parents before children
         node = {path: i for i, path in enumerate(self.paths)}
@@ -406,15 +413,15 @@ class SelfProposer:
     target accepted and reads only the rest of what was emitted (usually the target's own token);
     after a cycle it did not draft (a LookupProposer's), it reads all of it."""
 
-    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig):
-        self.k, self.session = k, open_session(drafter.copy, max_len)
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig, device=None):
+        self.k, self.session, self.device = k, open_session(drafter.copy, max_len), device
         self.drafted = False  # whether the copy's cache holds drafts of the cycle being accepted
 
     def prefill(self, prompt: list[int], token: int, target_out: TargetOutput) -> None:
         self.read(prompt + [token])
 
     def read(self, tokens: list[int]) -> None:
-        self.logits = self.session(torch.tensor([tokens])).logits[0, -1]
+        self.logits = self.session(torch.tensor([tokens], device=self.device)).logits[0, -1]
 
     def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
         read_drafts = 0  # accepted drafts already in the copy's cache
@@ -429,12 +436,12 @@ class SelfProposer:
         logits = self.logits
         for i in range(self.k):
             if i:
-                logits = self.session(torch.tensor([tokens[-1:]])).logits[0, -1]
+                logits = self.session(torch.tensor([tokens[-1:]], device=self.device)).logits[0, -1]
             if temperature == 0:
                 tokens.append(int(logits.argmax()))
             else:
                 q = torch.softmax(logits / temperature, -1)
-                tokens.append(int(torch.multinomial(q, 1, generator=generator)))
+                tokens.append(int(sample(q, generator)))
                 probs.append(q)
         return Draft.chain(tokens, torch.stack(probs) if probs else None)
 
@@ -449,10 +456,10 @@ class BatchChainProposer:
     """ChainProposer for a batch: every row drafts k tokens, one drafter step per draft for all rows
     at once. Same cache indexing: slot s holds (token s+1, features of s)."""
 
-    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, slots: BatchSlots):
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, slots: BatchSlots, device=None):
         self.drafter, self.k, self.vocab_size, self.slots = drafter, k, vocab_size, slots
         self.to_target = drafter.draft_to_target
-        self.cache = drafter.new_cache(len(slots), max_len)
+        self.cache = drafter.new_cache(len(slots), max_len, device)
 
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor):
         """drafter.step at each row's own positions, pads and holes hidden."""
@@ -462,7 +469,7 @@ class BatchChainProposer:
 
     def accept(self, inputs: torch.Tensor, target_out: TargetOutput, counts: torch.Tensor) -> None:
         logits, hidden = self.step(inputs, self.drafter.features(target_out))
-        rows, last = torch.arange(len(counts)), counts - 1  # each row drafts on from its last real token
+        rows, last = torch.arange(len(counts), device=counts.device), counts - 1  # each row drafts from its last token
         self.logits, self.hidden = logits[rows, last][:, None], hidden[rows, last][:, None]
 
     def propose(self, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -476,7 +483,7 @@ class BatchChainProposer:
             else:
                 q = logits.new_zeros(len(logits), self.vocab_size)
                 q[:, self.to_target] = torch.softmax(logits[:, -1] / temperature, -1)  # q in the target vocabulary
-                tokens.append(torch.multinomial(q, 1, generator=generator)[:, 0])
+                tokens.append(sample(q, generator)[:, 0].to(q.device))
                 probs.append(q)
         self.cache.crop(verified)
         return torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None
@@ -489,18 +496,18 @@ class BatchChainProposer:
 class BatchMedusaChainProposer(MedusaChainProposer):
     """MedusaChainProposer for a batch: no drafter cache, each row's heads read its last position."""
 
-    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, slots: BatchSlots):
-        super().__init__(drafter, k, vocab_size, max_len, DraftingConfig())
+    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, slots: BatchSlots, device=None):
+        super().__init__(drafter, k, vocab_size, max_len, DraftingConfig(), device)
 
     def accept(self, inputs: torch.Tensor, target_out: TargetOutput, counts: torch.Tensor) -> None:
-        last = target_out.last_hidden[torch.arange(len(counts)), counts - 1]
+        last = target_out.last_hidden[torch.arange(len(counts), device=counts.device), counts - 1]
         self.logits = self.drafter.head_logits(last)[:, : self.k]  # [B, k, V]
 
     def propose(self, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         if temperature == 0:
             return self.logits.argmax(-1), None
         q = torch.softmax(self.logits / temperature, -1)
-        return torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(q.shape[:2]), q
+        return sample(q.flatten(0, 1), generator).view(q.shape[:2]).to(q.device), q
 
     def select(self, index: torch.Tensor) -> None:
         pass  # accept() replaces the only state
@@ -509,8 +516,8 @@ class BatchMedusaChainProposer(MedusaChainProposer):
 BATCH_PROPOSERS = {"autoregressive": BatchChainProposer, "heads": BatchMedusaChainProposer}
 
 
-def make_batch_proposer(drafter, k: int, vocab_size: int, max_len: int, slots: BatchSlots):
+def make_batch_proposer(drafter, k: int, vocab_size: int, max_len: int, slots: BatchSlots, device=None):
     kind = drafter.drafting_kind
     if kind not in BATCH_PROPOSERS:
         raise UserError(f"batches of prompts are not served for a {type(drafter).__name__} yet; use batch_size=1")
-    return BATCH_PROPOSERS[kind](drafter, k, vocab_size, max_len, slots)
+    return BATCH_PROPOSERS[kind](drafter, k, vocab_size, max_len, slots, device)

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
+from common.config import UserError
 from inference.drafting import Draft, DraftingConfig, make_batch_proposer, make_proposer
 from inference.sessions import BatchSlots, open_session
-from speculators.config import UserError
 from speculators.target import FrozenTarget, TargetOutput
 
 
@@ -97,22 +97,24 @@ class Generation:
 def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
     if temperature == 0:
         return int(logits.argmax())
-    return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+    return int(torch.multinomial(torch.softmax(logits / temperature, -1).cpu(), 1, generator=generator))
 
 
-def verify_greedy(drafts: list[int], target_logits: torch.Tensor, tolerance: float = 0.0) -> tuple[int, int]:
+def chain_greedy(drafts: list[int], target_logits: torch.Tensor, tolerance: float = 0.0) -> tuple[int, int]:
     """(accepted count, next token): target_logits [k+1, V] from the pass over [last, *drafts];
     tolerance > 0 relaxes the rule (kernels/verify.py: typical acceptance, not the target's exact output)."""
-    accepted, token = kernels.verify_relaxed(torch.tensor([drafts], dtype=torch.long), target_logits[None], tolerance)
+    drafts = torch.tensor([drafts], dtype=torch.long, device=target_logits.device)
+    accepted, token = kernels.verify_relaxed(drafts, target_logits[None], tolerance)
     return int(accepted), int(token)
 
 
-def verify_sampling(drafts: list[int], draft_probs: torch.Tensor, target_logits: torch.Tensor,
+def chain_sampled(drafts: list[int], draft_probs: torch.Tensor, target_logits: torch.Tensor,
                     temperature: float, generator: torch.Generator) -> tuple[int, int]:
     """Lossless rejection sampling; draft_probs [k, V] is q in the target vocabulary."""
-    uniform = torch.rand(1, len(drafts) + 1, generator=generator)
-    accepted, token = kernels.verify_sampling(torch.tensor([drafts], dtype=torch.long), draft_probs[None],
-                                              target_logits[None], temperature, uniform)
+    device = target_logits.device  # draws from the seeded CPU generator, moved to the target's device
+    uniform = torch.rand(1, len(drafts) + 1, generator=generator).to(device)
+    accepted, token = kernels.verify_sampling(torch.tensor([drafts], dtype=torch.long, device=device),
+                                              draft_probs[None].to(device), target_logits[None], temperature, uniform)
     return int(accepted), int(token)
 
 
@@ -148,17 +150,18 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
     max_len = len(prompt) + max_new_tokens + 1 + (widest if k else 0)
     stats, session = Stats(max(k, lookup)), open_session(target, max_len)
     started = time.perf_counter()
-    out = session(torch.tensor([prompt]))
+    device = target.device
+    out = session(torch.tensor([prompt], device=device))
     token = pick(out.logits[0, -1], temperature, generator)
     stats.target_forwards, stats.ttft_s = 1, time.perf_counter() - started
     tokens = [token]
     if k:
-        proposer = make_proposer(drafter, k, target.vocab_size, max_len, drafting)
+        proposer = make_proposer(drafter, k, target.vocab_size, max_len, drafting, device)
         proposer.prefill(prompt, token, out)
     while len(tokens) < max_new_tokens and token != eos:
         if not k:
             stepping = time.perf_counter()
-            out = session(torch.tensor([[token]]))
+            out = session(torch.tensor([[token]], device=device))
             token = pick(out.logits[0, -1], temperature, generator)
             tokens.append(token)
             stats.target_forwards += 1
@@ -227,18 +230,19 @@ def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_
     k = k if drafter is not None else 0
     generator = torch.Generator().manual_seed(seed)
     eos = target.tokenizer.eos_token_id
-    ids = torch.tensor([[0] * (longest - len(prompt)) + prompt for prompt in prompts])  # any id pads: never seen
+    device = target.device
+    ids = torch.tensor([[0] * (longest - len(prompt)) + prompt for prompt in prompts], device=device)  # pads: any id
     max_len = longest + (max_new_tokens + 1) * (k + 1)
-    slots = BatchSlots(torch.tensor([longest - len(prompt) for prompt in prompts]), max_len)
+    slots = BatchSlots(torch.tensor([longest - len(prompt) for prompt in prompts], device=device), max_len)
     stats, session = Stats(k), open_session(target, max_len, slots)
-    proposer = make_batch_proposer(drafter, k, target.vocab_size, max_len, slots) if k else None
+    proposer = make_batch_proposer(drafter, k, target.vocab_size, max_len, slots, device) if k else None
     outputs: list[list[int]] = [[] for _ in prompts]
     rows = list(range(len(prompts)))  # the prompt each batch row decodes
     started = time.perf_counter()
     out = session(ids)
     new = pick_rows(out.logits[:, -1], temperature, generator)[:, None]
     stats.target_forwards, stats.ttft_s = 1, time.perf_counter() - started
-    emitted = torch.ones(len(prompts), dtype=torch.long)  # tokens of `new` each row emits
+    emitted = torch.ones(len(prompts), dtype=torch.long, device=device)  # tokens of `new` each row emits
     inputs = torch.cat([ids[:, 1:], new], 1)  # what the drafter reads next: the token after each position
     reads = torch.full_like(emitted, inputs.shape[1])  # of which each row's own (the rest are holes)
     step_started = time.perf_counter()
@@ -253,7 +257,7 @@ def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_
         if not going:
             break
         if len(going) < len(rows):  # rows that finished leave the batch
-            index = torch.tensor(going)
+            index = torch.tensor(going, device=device)
             rows, new, emitted, out = [rows[r] for r in going], new[index], emitted[index], select_batch(out, index)
             inputs, reads = inputs[index], reads[index]
             session.select(index)
@@ -278,19 +282,19 @@ def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_
         if temperature == 0:
             accepted, token = kernels.verify_greedy(drafts, out.logits)
         else:
-            uniform = torch.rand(len(drafts), k + 1, generator=generator)
+            uniform = torch.rand(len(drafts), k + 1, generator=generator).to(device)
             accepted, token = kernels.verify_sampling(drafts, probs, out.logits, temperature, uniform)
         for n in accepted.tolist():
             stats.record(n, k)
         # y_1..y_{n_r+1} of each row: its accepted drafts, then its correction or bonus token (then 0s: holes).
         widest = int(accepted.max()) + 1
-        j = torch.arange(widest)[None]
+        j = torch.arange(widest, device=device)[None]
         new = torch.where(j < accepted[:, None], torch.cat([drafts, token[:, None]], 1)[:, :widest],
                           torch.where(j == accepted[:, None], token[:, None], 0))
         emitted = reads = accepted + 1
         slots.keep(start, emitted, start + widest)  # row r keeps its root and n_r accepted drafts
         session.crop(start + widest)
-        inputs, out = new, select_batch(out, torch.arange(widest), dim=1)
+        inputs, out = new, select_batch(out, torch.arange(widest, device=device), dim=1)
     stats.decode_s = time.perf_counter() - started - stats.ttft_s
     return BatchGeneration([truncate(tokens, max_new_tokens, eos) for tokens in outputs], stats)
 
@@ -299,7 +303,8 @@ def pick_rows(logits: torch.Tensor, temperature: float, generator: torch.Generat
     """One token per row of logits [B, V]."""
     if temperature == 0:
         return logits.argmax(-1)
-    return torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
+    drawn = torch.multinomial(torch.softmax(logits / temperature, -1).cpu(), 1, generator=generator)
+    return drawn[:, 0].to(logits.device)
 
 
 def select_batch(out: TargetOutput, index: torch.Tensor, dim: int = 0) -> TargetOutput:
@@ -309,10 +314,12 @@ def select_batch(out: TargetOutput, index: torch.Tensor, dim: int = 0) -> Target
 
 def target_pass(session, root: int, draft: Draft):
     """The target over [root, *draft]: causal for a chain, tree attention with depth positions for a tree."""
-    tokens = torch.tensor([[root, *draft.tokens]])
+    device = session.target.device
+    tokens = torch.tensor([[root, *draft.tokens]], device=device)
     if draft.is_chain:
         return session(tokens)
-    return session(tokens, tree=draft.tree_mask(), depths=torch.tensor([0, *draft.depths()]))
+    depths = torch.tensor([0, *draft.depths()], device=device)
+    return session(tokens, tree=draft.tree_mask().to(device), depths=depths)
 
 
 def verify(draft: Draft, logits: torch.Tensor, temperature: float, generator: torch.Generator,
@@ -320,9 +327,9 @@ def verify(draft: Draft, logits: torch.Tensor, temperature: float, generator: to
     """(accepted nodes root to leaf, the next token) from the target logits [1 + n, V] of the pass."""
     if draft.is_chain:
         if temperature == 0:
-            accepted, token = verify_greedy(draft.tokens, logits, tolerance)
+            accepted, token = chain_greedy(draft.tokens, logits, tolerance)
         else:
-            accepted, token = verify_sampling(draft.tokens, draft.probs, logits, temperature, generator)
+            accepted, token = chain_sampled(draft.tokens, draft.probs, logits, temperature, generator)
         return list(range(accepted)), token
     return verify_tree_greedy(draft, logits)
 
@@ -342,7 +349,7 @@ def verify_tree_greedy(draft: Draft, logits: torch.Tensor) -> tuple[list[int], i
 
 
 def select_rows(out: TargetOutput, rows: list[int]) -> TargetOutput:
-    index = torch.tensor(rows)
+    index = torch.tensor(rows, device=out.logits.device)
     return TargetOutput(aux_hidden=[h[:, index] for h in out.aux_hidden], last_hidden=out.last_hidden[:, index],
                         logits=out.logits[:, index])
 

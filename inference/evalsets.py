@@ -24,9 +24,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from common import corpus
+from common.config import UserError, at_least, one_of, require
 from inference.engine import generate
-from speculators import corpus
-from speculators.config import UserError, at_least, one_of, require
 
 EVAL_SETS = ("stdlib", "mtbench", "sharegpt", "file", "data")  # data: a training run's own held-out split
 MISSING_TEMPLATE = "<no chat template>"  # EvalConfig.template's answer for a chat set on a tokenizer without one

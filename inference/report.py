@@ -14,18 +14,15 @@ from pathlib import Path
 
 import torch
 
-from inference import plots
+from common import plots
+from common.config import UserError, at_least, require
+from common.tracking import LoggerConfig, wandb_mode
 from inference.drafting import DraftingConfig, serving_k
 from inference.engine import Stats, check_pair, generate_batch
 from inference.evalsets import EvalConfig, Prompt
 from kernels.provenance import git_revision, machine
-from speculators.config import UserError, at_least, register_group, require
 from speculators.quant import QuantConfig
 from speculators.self_draft import SELF_DRAFT_TOKENS, SELF_PREFIX, SelfDrafter, check_lower_precision
-from speculators.tracking import LoggerConfig, wandb_mode
-
-register_group("quant")  # conf/quant/ of the training recipes: `python -m inference quant=int4` serves it
-register_group("eval")  # conf/eval/: the eval sets every inference command serves
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from speculators.config import UserError
+from common.config import UserError
 from speculators.quant import stack_linears
 from speculators.target import FrozenTarget, TargetOutput
 

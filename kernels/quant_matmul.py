@@ -3,7 +3,7 @@
 Two weight formats (speculators.quant writes them):
 - int8, one scale per output channel n:   W[n, k] = q[n, k] * s[n],  q int8 [N, K], s [N];
   or, with a `group_size`, one scale per group of input columns: W[n, k] = q[n, k] * s[n, g],
-  s [N, K/group_size] (a GGUF file's Q8_0 blocks, speculators/gguf_weights.py).
+  s [N, K/group_size] (a GGUF file's Q8_0 blocks, speculators/quant/gguf.py).
 - int4, one scale and zero per group of `group_size` input columns (g = k // group_size):
       W[n, k] = (q[n, k] - 8) * s[n, g] + z[n, g],  q in 0..15,
   two q per byte in `packed` uint8 [N, K/2]: column 2j in the low nibble, 2j+1 in the high one.

@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 
+from common.config import UserError, at_least, one_of, require
 from kernels import distill_loss
 from kernels.distill import KINDS
-from speculators.config import UserError, at_least, one_of, require
 from speculators.drafter import ParallelDrafter
-from speculators.layers import LayerCaches, RMSNorm, SwiGLU, apply_rotary, rope_theta, rotary
+from speculators.layers import LayerCaches, RMSNorm, RotaryTable, SwiGLU, apply_rotary
 from speculators.mask_token import MaskEmbedding
 from speculators.target import FrozenTarget, TargetOutput
 
@@ -129,6 +129,7 @@ class DFlashDrafter(MaskEmbedding, ParallelDrafter):
         self.layers = nn.ModuleList([DFlashDecoderLayer(layer_cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(H, layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, N, bias=False).requires_grad_(False)  # the target's rows, frozen
+        self.rotary_table = RotaryTable(layer_cfg)
 
     @classmethod
     def from_target(cls, cfg: DFlashConfig, target: FrozenTarget, token_counts: torch.Tensor) -> "DFlashDrafter":
@@ -162,8 +163,6 @@ class DFlashDrafter(MaskEmbedding, ParallelDrafter):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
 
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary(positions, self.layer_cfg.head_dim, rope_theta(self.layer_cfg))
 
     # --- training ---------------------------------------------------------------------------------
 
@@ -185,8 +184,8 @@ class DFlashDrafter(MaskEmbedding, ParallelDrafter):
         A, S = anchors.shape[1], self.cfg.block_size
         slots = torch.arange(S, device=input_ids.device)
         tokens = torch.where(slots == 0, input_ids.gather(1, anchors)[..., None], self.cfg.mask_token_id)
-        cos, sin = (t[:, None] for t in self.rotary((anchors[..., None] + slots).view(B, A * S)))
-        context_cos, context_sin = self.rotary(torch.arange(T, device=input_ids.device))
+        cos, sin = (t[:, None] for t in self.rotary_table.at((anchors[..., None] + slots).view(B, A * S)))
+        context_cos, context_sin = self.rotary_table.at(torch.arange(T, device=input_ids.device))
         block = torch.arange(A, device=input_ids.device).repeat_interleave(S)
         sees_context = torch.arange(T, device=input_ids.device) < anchors.repeat_interleave(S, dim=1)[..., None]
         sees_block = (block[:, None] == block[None, :]).expand(B, -1, -1)
@@ -240,8 +239,8 @@ class DFlashDrafter(MaskEmbedding, ParallelDrafter):
             raise UserError(f"k={k}: a DFlash drafter with block_size={self.cfg.block_size} "
                             f"drafts at most {self.depth} tokens per pass")
         start, m, S = cache.length, tokens.shape[1], self.cfg.block_size
-        context_cos, context_sin = self.rotary(torch.arange(start, start + m, device=tokens.device))
-        cos, sin = self.rotary(torch.arange(start + m, start + m + S, device=tokens.device))
+        context_cos, context_sin = self.rotary_table.at(torch.arange(start, start + m, device=tokens.device))
+        cos, sin = self.rotary_table.at(torch.arange(start + m, start + m + S, device=tokens.device))
         block = torch.cat([tokens[:, -1:], tokens.new_full((1, S - 1), self.cfg.mask_token_id)], dim=1)
         x = self.embed(block)
         for layer, layer_cache in zip(self.layers, cache):

@@ -8,7 +8,7 @@ serving engine and then accepts almost nothing, so every export and load checks 
 
 import torch
 
-from speculators.config import UserError
+from common.config import UserError
 
 
 def count_tokens(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -15,8 +15,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from common.config import UserError
 from speculators import draft_vocab
-from speculators.config import UserError
 from speculators.layers import KVCache, LayerCaches
 from speculators.target import FrozenTarget, TargetOutput
 
@@ -125,10 +125,8 @@ class Drafter(nn.Module, metaclass=ABCMeta):
         return draft_vocab.target_ids(self.d2t)
 
 
-class ChainDrafter(Drafter):
-    """Served one step per draft token (inference.drafting's chain and tree proposers): EAGLE-1, EAGLE-3."""
-
-    drafting_kind = "autoregressive"
+class CachedDrafter(Drafter):
+    """A drafter that reads the verified positions' features into a cache of its own while serving."""
 
     @abstractmethod
     def new_cache(self, batch: int, max_len: int, device=None) -> KVCache | LayerCaches:
@@ -137,6 +135,12 @@ class ChainDrafter(Drafter):
     @abstractmethod
     def features(self, target_out: TargetOutput) -> torch.Tensor:
         """Hidden inputs [B, m, H] of verified positions, from the target's outputs."""
+
+
+class ChainDrafter(CachedDrafter):
+    """Served one step per draft token (inference.drafting's chain and tree proposers): EAGLE-1, EAGLE-3."""
+
+    drafting_kind = "autoregressive"
 
     @abstractmethod
     def step(self, cache, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None,
@@ -147,18 +151,10 @@ class ChainDrafter(Drafter):
         `visible` [m, cache.length + m]. `cache.crop` undoes it."""
 
 
-class ParallelDrafter(Drafter):
+class ParallelDrafter(CachedDrafter):
     """All K drafts from one drafter pass (inference.drafting.ParallelProposer): P-EAGLE, DFlash."""
 
     drafting_kind = "parallel"
-
-    @abstractmethod
-    def new_cache(self, batch: int, max_len: int, device=None) -> KVCache | LayerCaches:
-        """An empty serving cache (anything with `length` and `crop(length)`)."""
-
-    @abstractmethod
-    def features(self, target_out: TargetOutput) -> torch.Tensor:
-        """Hidden inputs [B, m, H] of verified positions, from the target's outputs."""
 
     @abstractmethod
     def draft(self, cache, tokens: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:

@@ -44,21 +44,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 
+from common.config import at_least, one_of, require
 from kernels import distill_loss
 from kernels.distill import KINDS
-from speculators.config import at_least, one_of, require
+from speculators import layers
 from speculators.drafter import ChainDrafter
-from speculators.layers import (
-    KVCache,
-    LlamaDecoderLayer,
-    RotaryTable,
-    cached_layer,
-    layer_config,
-    rope_theta,
-    rotary,
-    shift_left,
-    ttt_attention,
-)
 from speculators.target import FrozenTarget, TargetOutput
 
 
@@ -92,18 +82,18 @@ class EagleDrafter(ChainDrafter):
         self.embed_tokens = nn.Embedding(V, H).requires_grad_(False)  # the target's, frozen
         self.fc = nn.Linear(2 * H, H, bias=True)
         # A Llama decoder layer without input_layernorm: EAGLE-1's layer 0 attends over fc's output as is.
-        self.layers = nn.ModuleList([LlamaDecoderLayer(layer_cfg, H)])
+        self.layers = nn.ModuleList([layers.LlamaDecoderLayer(layer_cfg, H)])
         self.lm_head = nn.Linear(H, V, bias=False).requires_grad_(False)  # the target's, frozen
         # The full vocabulary: constants, so not saved (the EAGLE format has no maps).
         self.register_buffer("d2t", torch.zeros(V, dtype=torch.long), persistent=False)
         self.register_buffer("t2d", torch.ones(V, dtype=torch.bool), persistent=False)
-        self.rotary_table = RotaryTable(layer_cfg)  # serving-time cos/sin
+        self.rotary_table = layers.RotaryTable(layer_cfg)  # serving-time cos/sin
 
     @classmethod
     def from_target(cls, cfg: EagleConfig, target: FrozenTarget, token_counts: torch.Tensor) -> "EagleDrafter":
         """A drafter for `target` with copies of its embeddings and lm_head (frozen). token_counts
         is not used: EAGLE-1 drafts over the whole target vocabulary."""
-        drafter = cls(cfg, layer_config(target))
+        drafter = cls(cfg, layers.layer_config(target))
         with torch.no_grad():
             drafter.embed_tokens.weight.copy_(target.embedding_weight().float())
             drafter.lm_head.weight.copy_(target.lm_head_weight().float())
@@ -122,10 +112,10 @@ class EagleDrafter(ChainDrafter):
         position t), hidden inputs [B, T, H]; appends its keys and values, returns f_hat [B, T, H]."""
         layer, x = self.layers[0], self.fuse(tokens, hidden)
         positions = torch.arange(tokens.shape[1], device=tokens.device) + j
-        q, k, v = layer.self_attn.qkv(x, *rotary(positions, self.layer_cfg.head_dim, rope_theta(self.layer_cfg)))
+        q, k, v = layer.self_attn.qkv(x, *self.rotary_table.at(positions))
         keys.append(k)
         values.append(v)
-        return layer.finish(x, ttt_attention(q, keys, values))
+        return layer.finish(x, layers.ttt_attention(q, keys, values))
 
     def training_loss(self, target_out: TargetOutput, input_ids: torch.Tensor, loss_mask: torch.Tensor):
         """Feature regression plus distillation at step 0 (module docstring); returns (loss,
@@ -133,12 +123,14 @@ class EagleDrafter(ChainDrafter):
         features = target_out.last_hidden
         if self.training and self.cfg.input_noise:
             features = features + (torch.rand_like(features) - 0.5) * self.cfg.input_noise
-        counted = shift_left(loss_mask, 2).bool()  # position t predicts token t+2
+        counted = layers.shift_left(loss_mask, 2).bool()  # position t predicts token t+2
         keys, values = [], []
-        predicted = self.unrolled_step(0, shift_left(input_ids, 1), features, keys, values)
+        predicted = self.unrolled_step(0, layers.shift_left(input_ids, 1), features, keys, values)
         logits = self.lm_head(predicted)
-        regression = F.smooth_l1_loss(predicted, shift_left(target_out.last_hidden, 1), reduction="none").mean(-1)
-        distillation = distill_loss(logits, target_out.logits, self.draft_to_target, counted, kind=self.cfg.loss, shift=1)
+        regression = F.smooth_l1_loss(predicted, layers.shift_left(target_out.last_hidden, 1), reduction="none")
+        distillation = distill_loss(logits, target_out.logits, self.draft_to_target, counted, kind=self.cfg.loss,
+                                    shift=1)
+        regression = regression.mean(-1)
         regression, distillation = masked_mean(regression, counted), masked_mean(distillation, counted)
         loss = self.cfg.regression_weight * regression + self.cfg.distillation_weight * distillation
         target_argmax = target_out.logits.argmax(-1)
@@ -153,20 +145,20 @@ class EagleDrafter(ChainDrafter):
         """acc_step{j} for j >= 1: step j reads the drafter's own f_hat of step j-1, as a served chain does."""
         metrics = {}
         for j in range(1, self.depth):
-            predicted = self.unrolled_step(j, shift_left(input_ids, 1 + j), predicted, keys, values)
+            predicted = self.unrolled_step(j, layers.shift_left(input_ids, 1 + j), predicted, keys, values)
             metrics[f"acc_step{j}"] = accuracy(self.lm_head(predicted), target_argmax, loss_mask, j)
         return metrics
 
-    def new_cache(self, batch: int, max_len: int, device=None) -> KVCache:
-        return KVCache.of(self.layer_cfg, batch, max_len, device)
+    def new_cache(self, batch: int, max_len: int, device=None) -> layers.KVCache:
+        return layers.KVCache.of(self.layer_cfg, batch, max_len, device)
 
     def features(self, target_out: TargetOutput) -> torch.Tensor:
         """Hidden inputs of verified positions: the target's last hidden state (after its final norm)."""
         return target_out.last_hidden
 
     @torch.no_grad()
-    def step(self, cache: KVCache, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None,
-             visible: torch.Tensor | None = None):
+    def step(self, cache: layers.KVCache, tokens: torch.Tensor, hidden: torch.Tensor,
+             positions: torch.Tensor | None = None, visible: torch.Tensor | None = None):
         """Serve m positions appended after `cache`: tokens [B, m] and hidden inputs [B, m, H],
         which are `features` for verified positions, or the drafter's own f_hat while it drafts.
         Returns logits over the target vocabulary and f_hat [B, m, H]. Positions default to the
@@ -174,7 +166,7 @@ class EagleDrafter(ChainDrafter):
         `visible` [m, cache.length + m] (context and own ancestors). `cache.crop` undoes it.
         """
         x = self.fuse(tokens, hidden)
-        predicted = cached_layer(self.layers[0], self.rotary_table, cache, x, x, positions, visible)
+        predicted = layers.cached_layer(self.layers[0], self.rotary_table, cache, x, x, positions, visible)
         return self.lm_head(predicted), predicted
 
 
@@ -186,6 +178,6 @@ def accuracy(logits: torch.Tensor, target_argmax: torch.Tensor, loss_mask: torch
     """Top-1 agreement of chain step j (logits [B, T, V] at position t predict token t+2+j) with
     the target's argmax at t+1+j, over positions whose token t+2+j is loss-masked. Draft ids
     are target ids (the full vocabulary)."""
-    counted = shift_left(loss_mask, 2 + j).bool()
-    hits = (logits.argmax(-1) == shift_left(target_argmax, 1 + j)) & counted
+    counted = layers.shift_left(loss_mask, 2 + j).bool()
+    hits = (logits.argmax(-1) == layers.shift_left(target_argmax, 1 + j)) & counted
     return hits.sum() / counted.sum().clamp(min=1)

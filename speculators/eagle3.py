@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
+from common.config import UserError, at_least, one_of, require
 from kernels import distill_loss
 from kernels.distill import KINDS
-from speculators.config import UserError, at_least, one_of, require
 from speculators.drafter import ChainDrafter, eagle3_layout_keys, speculators_depth
 from speculators.layers import (
     Eagle3DecoderLayer,
@@ -34,8 +34,6 @@ from speculators.layers import (
     RotaryTable,
     cached_layer,
     layer_config,
-    rope_theta,
-    rotary,
     shift_left,
     ttt_attention,
 )
@@ -152,8 +150,7 @@ class Eagle3Drafter(ChainDrafter):
             # Position t is trained on the distribution at t+1+j, i.e. on predicting token t+2+j.
             counted = shift_left(loss_mask, 2 + j).bool()
             trained = counted & shift_left(in_draft_vocab, 1 + j)
-            cos, sin = rotary(torch.arange(T, device=input_ids.device) + j, self.layer_cfg.head_dim,
-                              rope_theta(self.layer_cfg))
+            cos, sin = self.rotary_table.at(torch.arange(T, device=input_ids.device) + j)
             hidden = self.carried(self.ttt_pass(tokens, hidden, keys, values, cos, sin))
             # Only counted positions reach the lm_head (prompts and padding are half of a chat batch).
             rows, cols = counted.nonzero(as_tuple=True)

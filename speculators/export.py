@@ -66,8 +66,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig
 
+from common.config import UserError
 from speculators import draft_vocab, export_gguf, gguf_file
-from speculators.config import UserError
 from speculators.layers import decoding_linears, rope_theta
 
 SPECULATORS_VERSION = "0.3.0"
@@ -513,7 +513,7 @@ def read_weights(file: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from speculators.config import exit_on_user_error
+    from common.config import exit_on_user_error
 
     parser = argparse.ArgumentParser(prog="python -m speculators.export",
                                      description="Convert a drafter export to another serving format.")

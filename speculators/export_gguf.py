@@ -39,8 +39,8 @@ import torch
 from gguf import GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import dequantize
 
+from common.config import UserError
 from speculators import draft_vocab, gguf_file
-from speculators.config import UserError
 from speculators.layers import rope_theta
 from speculators.target import FrozenTarget, TargetConfig, check_layer_ids
 

@@ -5,7 +5,7 @@ your own on the Python path, imported the first time the name is asked for."""
 import importlib
 import re
 
-from speculators.config import one_of
+from common.config import one_of
 from speculators.drafter import FAMILIES
 
 BUILT_IN = ("eagle", "eagle3", "peagle", "medusa", "dflash")

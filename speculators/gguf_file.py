@@ -10,7 +10,7 @@ The conversion is transformers' own GGUF loader (dequantized to fp32) saved with
 save_pretrained, under <cache>/<first 16 hex digits of the file's sha256>: written to a
 temporary sibling and renamed into place, so an interrupted conversion leaves nothing a later
 load would read. The cache is $SPECULATORS_CACHE/gguf, else ~/.cache/speculators-forge/gguf.
-The file's own 4-bit blocks are served as they are by quant=gguf (speculators/quant.py).
+The file's own 4-bit blocks are served as they are by quant=gguf (speculators/quant/__init__.py).
 """
 
 import hashlib
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import gguf
 
-from speculators.config import UserError
+from common.config import UserError
 
 # Llama-family architectures whose GGUF transformers reads and our target wrapper serves.
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")

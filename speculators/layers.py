@@ -99,6 +99,10 @@ class RotaryTable:
         self.head_dim, self.theta = layer_cfg.head_dim, rope_theta(layer_cfg)
         self.table = None
 
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., head_dim] of integer `positions` of any shape (training: computed, not cached)."""
+        return rotary(positions, self.head_dim, self.theta)
+
     def __call__(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.table is None or len(self.table[0]) < length or self.table[0].device != torch.device(device):
             self.table = rotary(torch.arange(max(length, 1024), device=device), self.head_dim, self.theta)
@@ -146,7 +150,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class Eagle3DecoderLayer(LlamaDecoderLayer):
-    """EAGLE-3's layer (also P-EAGLE's first): attention over concat(input_layernorm(embed), hidden_norm(h)), 2H wide; the residual carries h."""
+    """EAGLE-3's layer (also P-EAGLE's first): attention over concat(input_layernorm(embed), hidden_norm(h)),
+    2H wide; the residual carries h."""
 
     def __init__(self, c: LlamaConfig, norm_before_residual: bool):
         super().__init__(c, 2 * c.hidden_size)

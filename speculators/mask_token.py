@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from speculators.config import require
+from common.config import require
 from speculators.layers import layer_config
 
 

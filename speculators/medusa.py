@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.config import UserError, at_least, one_of, require
 from kernels import distill_loss
 from kernels.distill import KINDS
-from speculators.config import UserError, at_least, one_of, require
 from speculators.drafter import HeadsDrafter
 from speculators.layers import shift_left
 from speculators.target import FrozenTarget, TargetOutput

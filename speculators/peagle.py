@@ -53,9 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 
+from common.config import at_least, one_of, require
 from kernels import distill_loss
 from kernels.distill import KINDS
-from speculators.config import at_least, one_of, require
 from speculators.drafter import ParallelDrafter, eagle3_layout_keys, speculators_depth
 from speculators.layers import (
     Eagle3DecoderLayer,
@@ -63,8 +63,6 @@ from speculators.layers import (
     LlamaDecoderLayer,
     RMSNorm,
     RotaryTable,
-    rope_theta,
-    rotary,
     shift_left,
     ttt_attention,
 )
@@ -184,7 +182,7 @@ class PEagleDrafter(MaskEmbedding, ParallelDrafter):
         tokens = torch.cat([shift_left(input_ids, 1).flatten(),
                             input_ids.new_full((deeper,), self.cfg.mask_token_id)])
         hidden = torch.cat([self.features(target_out).flatten(0, 1), self.mask_feature()[0].expand(deeper, -1)])
-        cos, sin = rotary(anchor + depth, self.layer_cfg.head_dim, rope_theta(self.layer_cfg))
+        cos, sin = self.rotary_table.at(anchor + depth)
         embeds, hidden = self.embed(tokens)[None], hidden[None]
         for layer in self.layers:
             residual, x = layer.attention_input(embeds, hidden)

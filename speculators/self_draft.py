@@ -6,7 +6,7 @@ It pays when a pass of the copy is cheap beside a pass of the target and their n
 
 import math
 
-from speculators.config import require
+from common.config import require
 from speculators.target import FrozenTarget
 
 SELF_PREFIX = "self:"  # drafter=self:<scheme> names a self-drafting copy where a drafter export goes

@@ -23,8 +23,8 @@ from accelerate.utils.modeling import align_module_device
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from common.config import UserError, one_of, require
 from speculators import gguf_file
-from speculators.config import UserError, one_of, require
 from speculators.layers import decoding_linears
 from speculators.quant import QuantConfig, check_gguf_source, quantize
 

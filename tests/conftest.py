@@ -3,10 +3,12 @@
 import json
 import os
 import re
+import shutil
 import string
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -58,7 +60,7 @@ def make_model(family: str, tokenizer, num_layers: int = NUM_LAYERS, seed: int =
 def target_dirs(tokenizer, tmp_path_factory) -> dict[str, Path]:
     """family -> a save_pretrained folder holding the model and its tokenizer, and a training.json naming the
     standard library as its corpus (its tokenizer's is), as train.pretrain's do: recipes with data=stdlib take it."""
-    from speculators.corpus import STDLIB_SOURCE
+    from common.corpus import STDLIB_SOURCE
 
     dirs = {}
     for family in FAMILIES:
@@ -138,8 +140,106 @@ def run_interpreted_tests(test_file: str) -> None:
     assert re.search(r"^\d+ passed, \d+ deselected", summary), summary  # nothing skipped: Triton was interpreted
 
 
+def cpu_kernel_cannot_build() -> str | None:
+    """Why the compiled CPU kernel (kernels/quant_matmul_cpu.cpp) cannot exist in this process, or None: then it
+    must build, and a test that needs it fails when it did not (kernels.quant_matmul.cpu_ops only warns)."""
+    import kernels
+
+    if kernels.INTERPRET:
+        return "TRITON_INTERPRET=1: this process interprets Triton"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return "this CPU has no AVX2"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH"
+    return None
+
+
+def require_cpu_kernel():
+    """The CPU kernel's ops. Skips only where it cannot build (no compiler, no AVX2, the Triton interpreter);
+    where it could, a failed build fails the test with the compiler's complaint."""
+    from kernels.quant_matmul import cpu_ops
+
+    reason = cpu_kernel_cannot_build()
+    if reason:
+        pytest.skip(f"the CPU kernel cannot build here: {reason}")
+    ops = cpu_ops()
+    if ops is None:
+        with warnings.catch_warnings(record=True) as caught:  # build again to show why
+            warnings.simplefilter("always")
+            cpu_ops.__wrapped__()
+        pytest.fail("the CPU kernel did not build although a C++ compiler and AVX2 are here: "
+                    + ("; ".join(str(w.message) for w in caught) or "no warning"), pytrace=False)
+    return ops
+
+
+@pytest.fixture
+def cpu_kernel():
+    """Tests that need the compiled CPU kernel take this fixture (or call require_cpu_kernel)."""
+    return require_cpu_kernel()
+
+
+# --- tiers (docs/testing.md) -------------------------------------------------------------------------
+# `slow`: a test that trains or serves in a subprocess, or took 20 s or more in `pytest --durations=0` on
+# 2 cores at 1 thread with other jobs beside (2026-11-29). Named here, by file and test function (every parametrization), so the tiers
+# are read in one place; a new test is quick until it is listed. `python -m pytest -m "not slow"` is the quick
+# tier; plain `python -m pytest` (CI) runs every tier but skips gpu without CUDA and engines until built.
+SLOW = {
+    "test_batch.py": {"test_batch_sampling_emits_the_target_distribution"},
+    "test_batch_sweep.py": {"test_command_line_end_to_end"},
+    "test_chat_data.py": {"test_train_eagle3_on_sharegpt_end_to_end"},
+    "test_cli.py": {"test_train_eagle3_end_to_end"},
+    "test_compare.py": {"test_cli_end_to_end"},
+    "test_ddp.py": {"test_two_processes_train_as_one_with_the_same_global_batch",
+                    "test_train_py_with_trainer_ddp_runs_two_processes_and_exports_once"},
+    "test_dflash.py": {"test_train_dflash_end_to_end", "test_original_dflash_export_bad_input_is_one_line"},
+    "test_eagle.py": {"test_train_eagle_through_the_cli"},
+    "test_engine.py": {"test_generate_samples_the_target_distribution_end_to_end",
+                       "test_sampled_chains_that_stop_early_stay_lossless"},
+    "test_export.py": {"test_convert_command_between_formats"},
+    "test_gguf_quant.py": {"test_triton_kernel_in_the_interpreter"},
+    "test_gpu.py": {"test_train_py_with_trainer_gpu_trains_exports_and_reports"},
+    "test_hidden_cache.py": {"test_build_then_train_from_the_cache_on_the_command_line"},
+    "test_inference_cli.py": {"test_report_files_and_an_offline_wandb_run"},
+    "test_kernels.py": {"test_triton_kernels_in_the_interpreter"},
+    "test_lookup.py": {"test_sampling_with_lookup_stays_lossless"},
+    "test_medusa.py": {"test_train_medusa_through_the_cli"},
+    "test_new_family.py": {"test_a_new_family_trains_exports_and_serves_losslessly"},
+    "test_parity.py": {"test_cli"},
+    "test_peagle.py": {"test_train_peagle_end_to_end"},
+    "test_quant.py": {"test_train_eagle3_against_an_int4_target", "test_triton_kernel_in_the_interpreter"},
+    "test_quant_report.py": {"test_command_line_end_to_end"},
+    "test_regenerate.py": {"test_sigterm_then_restart_loses_and_repeats_nothing"},
+    "test_reliability.py": {"test_bad_values_through_real_processes", "test_offline_training_makes_no_network_attempt",
+                            "test_every_bad_training_value_ends_in_one_line",
+                            "test_every_bad_inference_value_ends_in_one_line"},
+    "test_self_draft.py": {"test_sampling_with_another_model_as_copy_keeps_the_target_law"},
+    "test_shipped_drafter.py": {"test_shipped_drafter_keeps_its_card_acceptance"},
+    "test_shipped_target.py": {"test_default_recipe_trains_and_exports_for_the_shipped_target",
+                               "test_shipped_target_loops_no_more_than_its_card_says"},
+    "test_target_card.py": {"test_card_and_heldout_written_with_finite_numbers", "test_changed_corpus_is_warned_about"},
+}
+# `engines`: served by an engine built on demand outside pytest (llama.cpp: engines/llamacpp.py build();
+# vLLM's CPU venv: engines/vllm_venv.py SETUP); they skip until it is there, and are slow too.
+ENGINES = {
+    "test_engines_bench.py": {"test_llamacpp_serves_the_drafter_beside_ours", "test_vllm_serves_our_export_in_its_cpu_build"},
+    "test_export_gguf.py": {"test_llamacpp_serves_the_export", "test_llamacpp_target_only_completion",
+                            "test_llamacpp_bench_runs_both_engines_on_the_same_prompts"},
+}
+
+
+def tier_markers(file: str, function: str) -> list[str]:
+    """The tier markers conftest gives test `function` of tests/`file`."""
+    engines = function in ENGINES.get(file, ())
+    return ["engines", "slow"] * engines or ["slow"] * (function in SLOW.get(file, ()))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA: without it they are collected and skipped, all with one reason."""
+    """Tier markers from SLOW and ENGINES; tests marked `gpu` need CUDA: without it they are collected and
+    skipped, all with one reason."""
+    for item in items:
+        for name in tier_markers(item.path.name, getattr(item, "originalname", item.name)):
+            item.add_marker(name)
     if torch.cuda.is_available():
         return
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")

@@ -20,11 +20,11 @@ from conftest import LAYER_IDS
 from test_engine import ALPHA, chi2_sf, chi_square, tiny_target
 from test_medusa import make_medusa
 
+from common.config import UserError
 from inference import engine, evalsets, report
 from inference.drafting import ChainProposer, DraftingConfig, make_batch_proposer
 from inference.engine import generate, generate_batch
 from inference.sessions import BatchSlots, HFSession
-from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
 from speculators.target import FrozenTarget
 
@@ -115,7 +115,7 @@ class BatchOracle:
         self.seqs, self.wrong, self.vocab_size = seqs, wrong, target.vocab_size
         self.draft_to_target = torch.arange(self.vocab_size)
 
-    def new_cache(self, batch: int, max_len: int) -> OracleCache:
+    def new_cache(self, batch: int, max_len: int, device=None) -> OracleCache:
         return OracleCache(batch, max_len)
 
     def features(self, target_out) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The batch sweep (inference/batch_sweep.py): a row per batch size from the report's own loop,
+"""The batch sweep (benchmarks/batch_sweep.py): a row per batch size from the report's own loop,
 latency percentiles, the crossover, and the command line end to end."""
 
 import json
@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
+from benchmarks.batch_sweep import BatchSweepConfig, crossover, markdown, sweep
+from common.config import UserError
 from inference import evalsets
-from inference.batch_sweep import BatchSweepConfig, crossover, markdown, sweep
 from speculators import export
-from speculators.config import UserError
 
 PROMPTS = ["import os\nimport sys\n", "def main():\n    return", "class A:\n", "x = 1\n"]
 
@@ -52,7 +52,7 @@ def test_command_line_end_to_end(llama_target, make_drafter, tmp_path):
     drafter_dir = export.save(make_drafter(llama_target), tmp_path / "export", export.Verifier.of(llama_target))
     out = tmp_path / "sweep"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
-    result = subprocess.run([sys.executable, "-m", "inference.batch_sweep", f"drafter={drafter_dir}",
+    result = subprocess.run([sys.executable, "-m", "benchmarks.batch_sweep", f"drafter={drafter_dir}",
                              "eval.num_prompts=2", "eval.prompt_lines=2", "max_new_tokens=6", "batch_sizes=[1,2]",
                              "repeats=1", f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -60,4 +60,4 @@ def test_command_line_end_to_end(llama_target, make_drafter, tmp_path):
     written = json.loads((out / "batch_sweep.json").read_text())
     assert [r["batch_size"] for r in written["rows"]] == [1, 2] and written["config"]["repeats"] == 1
     assert (out / "batch_sweep.png").stat().st_size > 0
-    assert f"batch sweep: {out / 'batch_sweep.json'}" in result.stdout
+    assert f"results: {out / 'batch_sweep.json'}, {out / 'batch_sweep.md'}" in result.stdout

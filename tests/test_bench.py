@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from inference.bench import BenchConfig, run, table
+from benchmarks.bench import BenchConfig, run, table
 
 
 def test_bench_runs_every_method_and_compares_outputs(llama_target, make_drafter, tokenizer):
@@ -25,8 +25,8 @@ def test_an_assistant_with_another_vocabulary_is_refused_in_one_line(llama_targe
     import pytest
     from transformers import AutoTokenizer
 
-    from inference.bench import load_assistant
-    from speculators.config import UserError
+    from benchmarks.bench import load_assistant
+    from common.config import UserError
 
     assert load_assistant(None, llama_target) is None
     with pytest.raises(UserError, match="assistant=.*saved causal LM"):

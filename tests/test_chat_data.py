@@ -17,9 +17,9 @@ from safetensors import safe_open
 from test_cli import run_train
 from test_config import composed, typed
 
+from common.config import UserError
+from common.corpus import split_of
 from speculators import draft_vocab
-from speculators.config import UserError
-from speculators.corpus import split_of
 from train.data import (
     DataConfig,
     TextDataModule,

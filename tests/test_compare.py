@@ -1,4 +1,4 @@
-"""`python -m inference.compare`: several exports, same prompts and K, one table and one plot."""
+"""`python -m benchmarks.compare`: several exports, same prompts and K, one table and one plot."""
 
 import json
 import os
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from inference import compare, evalsets, report
+from benchmarks import compare
+from common.config import UserError
+from inference import evalsets, report
 from speculators import export
-from speculators.config import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,17 +100,17 @@ def test_bad_config_is_a_user_error(bad, message):
 def test_config_file_mirrors_the_dataclass():
     from test_config import CONF, composed
 
-    from speculators.config import to_dataclass
+    from common.config import to_dataclass
 
-    cfg = to_dataclass(compare.CompareConfig, composed(["drafters=[x]"], CONF / "inference", "compare"))
+    cfg = to_dataclass(compare.CompareConfig, composed(["drafters=[x]"], CONF / "benchmarks", "compare"))
     assert cfg == compare.CompareConfig(drafters=["x"]) and cfg.k is None
-    chosen = composed(["drafters=[x]", "eval=mtbench", "eval.num_prompts=4"], CONF / "inference", "compare")
+    chosen = composed(["drafters=[x]", "eval=mtbench", "eval.num_prompts=4"], CONF / "benchmarks", "compare")
     assert to_dataclass(compare.CompareConfig, chosen).eval == evalsets.EvalConfig("mtbench", num_prompts=4, turns=2)
 
 
 def test_cli_end_to_end(llama_dir, exports, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
-    result = subprocess.run([sys.executable, "-m", "inference.compare", f"drafters=[{exports[0]},{exports[1]}]",
+    result = subprocess.run([sys.executable, "-m", "benchmarks.compare", f"drafters=[{exports[0]},{exports[1]}]",
                              f"target={llama_dir}", "quant=int8", "eval.num_prompts=1", "eval.prompt_lines=2",
                              "max_new_tokens=6", "k=2", "repeats=1", f"out={tmp_path}"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -117,7 +118,7 @@ def test_cli_end_to_end(llama_dir, exports, tmp_path):
     rows = json.loads((tmp_path / "compare.json").read_text())["rows"]
     assert json.loads((tmp_path / "compare.json").read_text())["config"]["quant"]["scheme"] == "int8"  # the target as served
     assert [r["method"] for r in rows] == ["target_only", "eagle3-seed0 (chain)", "eagle3-seed1 (chain)"]
-    missing = subprocess.run([sys.executable, "-m", "inference.compare", f"drafters=[{tmp_path / 'nope'}]"],
+    missing = subprocess.run([sys.executable, "-m", "benchmarks.compare", f"drafters=[{tmp_path / 'nope'}]"],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
     assert missing.stderr.strip().splitlines()[-1].startswith("error:")

@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from inference.batch_sweep import BatchSweepConfig
-from inference.bench import BenchConfig
-from inference.llamacpp_bench import LlamacppBenchConfig
+from benchmarks.batch_sweep import BatchSweepConfig
+from benchmarks.bench import BenchConfig
+from benchmarks.llamacpp_bench import LlamacppBenchConfig
+from common.config import UserError, to_dataclass
 from inference.report import InferenceConfig
-from speculators.config import UserError, to_dataclass
 from speculators.families import family
 from train.recipes import RECIPES
 
@@ -29,15 +29,16 @@ def typed(cfg):
     return recipe, None
 
 
-@pytest.mark.parametrize("recipe", ["eagle3_pycode", "target_pretrain"])
+@pytest.mark.parametrize("recipe", ["eagle3_pycode", "eagle", "peagle", "medusa", "dflash", "target_pretrain"])
 def test_every_recipe_maps_onto_its_dataclasses(recipe):
     typed(composed([f"conf={recipe}"]))  # an unknown key anywhere in conf/ would raise here
 
 
-@pytest.mark.parametrize("name, cls", [("config", InferenceConfig), ("bench", BenchConfig),
-                                            ("llamacpp_bench", LlamacppBenchConfig), ("batch_sweep", BatchSweepConfig)])
-def test_inference_configs_map_onto_their_dataclasses(name, cls):
-    to_dataclass(cls, composed(["drafter=some/export"], CONF / "inference", name))
+@pytest.mark.parametrize("folder, name, cls", [("inference", "config", InferenceConfig), ("benchmarks", "bench", BenchConfig),
+                                               ("benchmarks", "llamacpp_bench", LlamacppBenchConfig),
+                                               ("benchmarks", "batch_sweep", BatchSweepConfig)])
+def test_inference_configs_map_onto_their_dataclasses(folder, name, cls):
+    to_dataclass(cls, composed(["drafter=some/export"], CONF / folder, name))
 
 
 @pytest.mark.parametrize("override, key", [

@@ -10,8 +10,8 @@ import torch
 from test_reliability import REPO, copy_small_stdlib, one_line_error, run_subprocess, tiny_training
 from test_resume import train
 
+from common.config import UserError
 from speculators import export
-from speculators.config import UserError
 from speculators.export import Verifier
 from train.trainer import AtomicCheckpointIO
 

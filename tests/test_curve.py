@@ -1,10 +1,10 @@
-"""`python -m inference.curve`: tau against tokens seen, from run directories."""
+"""`python -m benchmarks.curve`: tau against tokens seen, from run directories."""
 
 import json
 
 import pytest
 
-from inference import curve
+from benchmarks import curve
 
 
 def fake_run(path, steps: int, tau: float, init_from: dict | None = None):

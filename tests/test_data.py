@@ -7,8 +7,8 @@ import datasets
 import pytest
 import torch
 
-from speculators.config import UserError
-from speculators.corpus import SPLITS, split_of, stdlib_files
+from common.config import UserError
+from common.corpus import SPLITS, split_of, stdlib_files
 from train.data import EndlessShuffle, pack
 from train.pretrain import EOS, train_tokenizer
 

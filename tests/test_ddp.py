@@ -1,6 +1,6 @@
-"""Multi-process training (trainer.strategy=ddp): two CPU processes (gloo) train EAGLE-3 as one
+"""Multi-process training (trainer.strategy=ddp, fsdp): two CPU processes (gloo) train EAGLE-3 as one
 process does with the same global batch: the same rows in every step, split disjointly between
-the processes, the same loss curve, and a checkpoint whose data position resumes anywhere.
+the processes, the same loss curve, the same weights, and a checkpoint whose data position resumes anywhere.
 
 Run as a script, this file is the 2-process run: `python tests/test_ddp.py <target dir> <out.json>`
 (Lightning's DDP launcher starts the second process with the same command line).
@@ -23,8 +23,8 @@ from conftest import LAYER_IDS, VOCAB_SIZE
 from test_cli import run_train
 from test_config import composed, typed
 
+from common.config import UserError
 from speculators import draft_vocab, export
-from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
 from speculators.target import FrozenTarget, TargetConfig
 from train.data import DataConfig, TextDataModule
@@ -40,13 +40,15 @@ DDP_STEPS = 4
 # of positions, so the mean of the two processes' gradients is the one-process gradient exactly.
 DRAFT = VOCAB_SIZE
 TOLERANCE = 1e-4  # relative, on each step's loss; measured differences are about 1e-7
+WEIGHT_TOLERANCE = 1e-4  # absolute, on every weight after DDP_STEPS Adam steps of lr 1e-2; measured about 1e-5
 
 
 class Record(L.Callback):
-    """Each step's loss averaged over the processes, and the rows every process trained on."""
+    """Each step's loss averaged over the processes, the rows every process trained on, and the drafter's whole
+    weights after step DDP_STEPS (an FSDP shard gathered)."""
 
     def __init__(self):
-        self.losses, self.rows, self.backend, self.weights_held = {}, {}, None, None
+        self.losses, self.rows, self.backend, self.weights_held, self.weights = {}, {}, None, None, None
 
     def on_train_start(self, trainer, module):
         """The fraction of the drafter's weights this process holds: 1 under ddp, about 1/2 under fsdp."""
@@ -62,6 +64,11 @@ class Record(L.Callback):
         self.rows[step] = strategy.all_gather(batch["input_ids"]).reshape(-1, SEQ_LEN).tolist()  # rank by rank
         if torch.distributed.is_initialized():
             self.backend = torch.distributed.get_backend()
+        if step == DDP_STEPS:
+            from torch.distributed.tensor import DTensor
+
+            self.weights = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                            for name, p in module.drafter.named_parameters()}
 
 
 def corpus() -> datasets.DatasetDict:
@@ -122,6 +129,12 @@ def test_two_processes_train_as_one_with_the_same_global_batch(strategy, llama_d
     print(f"{strategy} vs 1 process, relative loss differences per step: {differences}")
     assert max(differences) < TOLERANCE, differences
 
+    weights = torch.load(out.with_suffix(".pt"), weights_only=True)
+    assert weights.keys() == single.weights.keys()
+    drift = max(float((weights[n] - single.weights[n]).abs().max()) for n in weights)
+    print(f"{strategy} vs 1 process, largest weight difference after {DDP_STEPS} steps: {drift:.2e}")
+    assert drift < WEIGHT_TOLERANCE
+
     # The checkpoint counts the rows both processes consumed; one process resumes from it exactly there.
     checkpoint = torch.load(tmp_path / strategy / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert checkpoint["TextDataModule"]["rows_consumed"] == DDP_STEPS * GLOBAL_BATCH
@@ -166,5 +179,6 @@ if __name__ == "__main__":
     target_dir, out, strategy = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     record, trainer = train(target_dir, devices=2, max_steps=DDP_STEPS, run_dir=out.parent / strategy, strategy=strategy)
     if trainer.is_global_zero:
+        torch.save(record.weights, out.with_suffix(".pt"))
         out.write_text(json.dumps({"losses": record.losses, "rows": record.rows, "backend": record.backend, "weights_held": record.weights_held,
                                    "world_size": trainer.world_size}))

@@ -13,9 +13,9 @@ from conftest import DRAFT_VOCAB, LAYER_IDS, VOCAB_SIZE
 from safetensors import safe_open
 from test_cli import run_train
 
+from common.config import UserError
 from inference.engine import generate
 from speculators import draft_vocab, export
-from speculators.config import UserError
 from speculators.dflash import DFlashConfig, DFlashDrafter
 from speculators.export import Verifier
 from speculators.families import family
@@ -84,8 +84,8 @@ def reference_block(drafter: DFlashDrafter, out: TargetOutput, ids: torch.Tensor
     context = drafter.features(out)[:1, :anchor]
     tokens = torch.tensor([[int(ids[0, anchor])] + [drafter.cfg.mask_token_id] * (B - 1)])
     x = drafter.embed(tokens)
-    cos, sin = drafter.rotary(torch.arange(anchor, anchor + B))
-    context_cos, context_sin = drafter.rotary(torch.arange(anchor))
+    cos, sin = drafter.rotary_table.at(torch.arange(anchor, anchor + B))
+    context_cos, context_sin = drafter.rotary_table.at(torch.arange(anchor))
     for layer in drafter.layers:
         h = layer.input_layernorm(x)
         q = layer.self_attn.queries(h, cos, sin)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from common.config import UserError
 from speculators import draft_vocab
-from speculators.config import UserError
 
 
 def expected_kept(counts: list[int], n: int) -> list[int]:

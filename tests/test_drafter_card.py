@@ -1,10 +1,10 @@
-"""The shipped drafter's README is its card as measured: card.json rendered by inference/drafter_card.py,
+"""The shipped drafter's README is its card as measured: card.json rendered by benchmarks/drafter_card.py,
 so no figure in it was edited by hand or left from an older measurement."""
 
 import json
 from pathlib import Path
 
-from inference.drafter_card import fastest_setting, markdown
+from benchmarks.drafter_card import fastest_setting, markdown
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "smollm2-eagle3"
 

@@ -15,10 +15,10 @@ from conftest import LAYER_IDS
 from safetensors import safe_open
 from test_cli import run_train
 
+from common.config import UserError
 from inference.drafting import DraftingConfig
 from inference.engine import generate
 from speculators import export
-from speculators.config import UserError
 from speculators.eagle import EagleConfig, EagleDrafter
 from speculators.export import Verifier
 from speculators.families import FAMILIES

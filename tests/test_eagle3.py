@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import DRAFT_VOCAB, LAYER_IDS
 
+from common.config import UserError
 from speculators import draft_vocab
-from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
 from speculators.layers import layer_config, ttt_attention
 from speculators.target import TargetOutput
@@ -221,16 +221,16 @@ def test_later_steps_read_the_previous_step_output(target, make_drafter, text_ba
 
 
 def test_step_j_uses_rotary_positions_shifted_by_j(target, make_drafter, text_batch, monkeypatch):
-    import speculators.eagle3 as eagle3
+    import speculators.layers as layers
 
     seen = []
-    real = eagle3.rotary
+    real = layers.rotary
 
     def recording(positions, *args, **kwargs):
         seen.append(positions.clone())
         return real(positions, *args, **kwargs)
 
-    monkeypatch.setattr(eagle3, "rotary", recording)
+    monkeypatch.setattr(layers, "rotary", recording)
     drafter = make_drafter(target, depth=4)
     with torch.no_grad():
         drafter.training_loss(target(text_batch), text_batch, torch.ones_like(text_batch))

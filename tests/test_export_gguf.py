@@ -3,7 +3,7 @@ back with gguf-py's GGUFReader, checked against what llama.cpp's eagle3 loader r
 src/models/eagle3.cpp and src/llama-model.cpp, written out here apart from the exporter): metadata keys,
 values and types, tensor names, shapes in ggml order and types, d2t as absolute target ids, the values
 (F16 within rounding of the weights; Q/K rows in llama.cpp's rope order), the target's tokenizer, and
-refusals. With llama.cpp built (inference/llamacpp.py build), the export is served by
+refusals. With llama.cpp built (engines/llamacpp.py build), the export is served by
 llama-speculative-simple beside a tiny GGUF target.
 """
 
@@ -16,9 +16,11 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as T
 from test_gguf_quant import write_gguf
 
-from inference import evalsets, llamacpp, llamacpp_bench
+from benchmarks import llamacpp_bench
+from common.config import UserError
+from engines import llamacpp
+from inference import evalsets
 from speculators import export, export_gguf
-from speculators.config import UserError
 from speculators.export import Verifier
 from speculators.layers import apply_rotary, rotary
 from speculators.target import FrozenTarget, TargetConfig
@@ -233,7 +235,7 @@ def test_refuses_bad_maps_layers_and_overwrite(llama_target, llama_dir, make_dra
 
 
 def test_the_build_joins_the_log_thread_at_exit_or_refuses_a_changed_source(tmp_path):
-    """The one patch of llama.cpp's source (inference/llamacpp.py LOG_JOIN), applied once after its anchor."""
+    """The one patch of llama.cpp's source (engines/llamacpp.py LOG_JOIN), applied once after its anchor."""
     source = tmp_path / "log.cpp"
     source.write_text("static void f() {\n" + llamacpp.LOG_ANCHOR + "}\n")
     llamacpp.join_log_at_exit(source)
@@ -244,7 +246,7 @@ def test_the_build_joins_the_log_thread_at_exit_or_refuses_a_changed_source(tmp_
 
 
 built = pytest.mark.skipif(not all((llamacpp.cache_dir() / "bin" / tool).is_file() for tool in llamacpp.TOOLS),
-                           reason="llama.cpp is not built (inference/llamacpp.py build)")
+                           reason="llama.cpp is not built (engines/llamacpp.py build)")
 
 
 @built

@@ -1,11 +1,10 @@
-"""speculators/fp4.py: MXFP4 and NVFP4 weights as the formats define them (E2M1 values, block scales)."""
+"""speculators/quant/fp4.py: MXFP4 and NVFP4 weights as the formats define them (E2M1 values, block scales)."""
 
 import pytest
 import torch
 
-from speculators import fp4
-from speculators.config import UserError
-from speculators.quant import Fp4Linear, QuantConfig, weight_bytes
+from common.config import UserError
+from speculators.quant import Fp4Linear, QuantConfig, fp4, weight_bytes
 
 E2M1 = torch.tensor(fp4.E2M1)
 

@@ -9,8 +9,8 @@ import pytest
 from conftest import LAYER_IDS, make_model
 from test_gguf_quant import NUM_LAYERS, write_gguf
 
+from common.config import UserError
 from speculators import gguf_file
-from speculators.config import UserError
 from speculators.target import FrozenTarget, TargetConfig
 
 

@@ -1,5 +1,5 @@
-"""quant=gguf: a GGUF file's own Q4_1 / Q8_0 blocks served as they are (speculators/gguf_weights.py,
-speculators/quant.py), and the int8 format with one scale per group of columns they need
+"""quant=gguf: a GGUF file's own Q4_1 / Q8_0 blocks served as they are (speculators/quant/gguf.py,
+speculators/quant/__init__.py), and the int8 format with one scale per group of columns they need
 (kernels/quant_matmul.py, kernels/quant_matmul_cpu.cpp).
 
 The GGUFs are written here with gguf-py's GGUFWriter and gguf.quants.quantize from a tiny random
@@ -29,11 +29,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import LAYER_IDS, make_model, run_interpreted_tests
+from conftest import LAYER_IDS, make_model, require_cpu_kernel, run_interpreted_tests
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 import kernels
+from common.config import UserError
 from inference.engine import generate
 from kernels.quant_matmul import (
     CPU_KERNEL_MAX_ROWS,
@@ -47,7 +48,6 @@ from kernels.quant_matmul import (
     round_activation_blocks,
     unpack_int4,
 )
-from speculators.config import UserError
 from speculators.layers import DecodingLinear
 from speculators.quant import (
     Int4Handler,
@@ -60,7 +60,7 @@ from speculators.quant import (
 )
 from speculators.target import FrozenTarget, TargetConfig
 
-# llama.cpp's names, written out here apart from speculators/gguf_weights.py's table
+# llama.cpp's names, written out here apart from speculators/quant/gguf.py's table
 LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
            "mlp.down_proj": "ffn_down"}
@@ -69,8 +69,7 @@ TOL = dict(atol=1e-4, rtol=1e-4)
 
 interpreted = pytest.mark.skipif(not kernels.INTERPRET, reason="needs TRITON_INTERPRET=1 at start-up; "
                                  "test_triton_kernel_in_the_interpreter runs it in a child process")
-needs_cpu_kernel = pytest.mark.skipif(kernels.INTERPRET or cpu_ops() is None,
-                                      reason="the CPU kernel needs AVX2 and a C++ compiler (and no TRITON_INTERPRET)")
+needs_cpu_kernel = pytest.mark.usefixtures("cpu_kernel")  # skips without a compiler; a failed build fails
 
 
 # --- tiny GGUF files ---------------------------------------------------------------------------
@@ -263,8 +262,8 @@ def test_cpu_kernel_grouped_int8_rows_are_independent_of_batch_and_threads():
 
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
 def test_grouped_int8_rejects_inconsistent_inputs(impl):
-    if impl == "cpu" and (kernels.INTERPRET or cpu_ops() is None):
-        pytest.skip("the CPU kernel needs AVX2 and a C++ compiler (and no TRITON_INTERPRET)")
+    if impl == "cpu":
+        require_cpu_kernel()
     matmul = quant_matmul_reference if impl == "reference" else quant_matmul_cpu
     q, scales = grouped_int8(4, 64, 32)
     with pytest.raises(ValueError, match="a group_size dividing K=64, got 48"):
@@ -295,8 +294,7 @@ def test_interpreted_triton_grouped_int8_matches_reference(N, K, group, M):
 @pytest.fixture(params=["best", "avx2"])
 def isa(request):
     """The int8-activation kernel in the best variant this CPU has, then forced to AVX2."""
-    if kernels.INTERPRET or cpu_ops() is None:
-        pytest.skip("the CPU kernel needs AVX2 and a C++ compiler (and no TRITON_INTERPRET)")
+    require_cpu_kernel()
     yield cpu_ops().int8_dot_isa(request.param)
     cpu_ops().int8_dot_isa("best")
 
@@ -413,7 +411,7 @@ def test_int8_activation_kernel_refuses_blocks_it_cannot_form(isa):
 
 
 def test_activations_are_exact_unless_int8_is_asked_for(targets):
-    """int8 activations are not token-identical in speculation (speculators/quant.py): opt-in only."""
+    """int8 activations are not token-identical in speculation (speculators/quant/__init__.py): opt-in only."""
     _, packed = targets
     assert not any(m.int8_activations for m in packed.model.modules()
                    if isinstance(m, (WeightOnlyInt4Linear, WeightOnlyInt8Linear)))

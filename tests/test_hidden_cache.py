@@ -14,7 +14,7 @@ from conftest import LAYER_IDS
 from test_cli import REPO, run_train
 from test_config import composed, typed
 
-from speculators.config import UserError
+from common.config import UserError
 from speculators.target import FrozenTarget
 from train import hidden_cache
 from train.data import DataConfig, EndlessShuffle, TextDataModule, load_examples

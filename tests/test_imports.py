@@ -1,12 +1,15 @@
-"""The import graph of the four packages, read from the source (imports inside functions included):
-imports point down, kernels < speculators < train, inference (train may use inference, inference
-never train), and no module is part of a cycle."""
+"""The import graph of the packages, read from the source (imports inside functions included):
+imports point down, common, kernels < speculators < inference < train < benchmarks (train may use
+inference, inference never train), and no module is part of a cycle. Importing a module registers no
+Hydra config: every command finds its groups in its own config folder."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RANK = {"kernels": 0, "speculators": 1, "inference": 2, "train": 3}
+RANK = {"common": 0, "kernels": 0, "speculators": 1, "inference": 2, "engines": 2, "train": 3, "benchmarks": 4}
 
 
 def modules() -> dict[str, Path]:
@@ -78,3 +81,16 @@ def test_no_import_cycles():
         if v not in index:
             visit(v)
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_module_registers_a_config_at_import_time():
+    names = sorted(modules())
+    code = ("from hydra.core.config_store import ConfigStore\n"
+            "import importlib, sys\n"
+            "before = str(ConfigStore.instance().repo)\n"
+            "for name in sys.argv[1:]:\n"
+            "    importlib.import_module(name)\n"
+            "    if str(ConfigStore.instance().repo) != before:\n"
+            "        sys.exit(f'{name} registered a config')\n")
+    done = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -34,8 +34,8 @@ def test_report_files_and_an_offline_wandb_run(llama_dir, llama_target, make_dra
 def test_quant_serves_the_training_recipes_quantized_targets():
     from hydra import compose, initialize_config_dir
 
+    from common.config import to_dataclass
     from inference.report import InferenceConfig  # its module registers conf/quant/ as the quant group
-    from speculators.config import to_dataclass
     from speculators.quant import QuantConfig
 
     with initialize_config_dir(str(REPO / "conf" / "inference"), version_base="1.3"):
@@ -50,7 +50,8 @@ def test_the_export_serves_the_k_its_closing_report_measured(llama_dir, tmp_path
     drafts that many tokens unless told otherwise."""
     from test_reliability import copy_small_stdlib, replace_key, run_in_process, tiny_inference, tiny_training
 
-    from inference import bench, compare, evalsets, parity, quant_report, report
+    from benchmarks import bench, compare, parity, quant_report
+    from inference import evalsets, report
 
     run_dir, stdlib = tmp_path / "run", tmp_path / "stdlib"
     stdlib.mkdir()
@@ -100,8 +101,8 @@ def test_a_drafter_trained_for_another_target_is_refused(llama_dir, llama_target
     import pytest
     from conftest import make_model
 
+    from common.config import UserError
     from inference import report
-    from speculators.config import UserError
     from speculators.quant import QuantConfig
 
     other = tmp_path / "other-target"

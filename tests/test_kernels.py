@@ -229,7 +229,7 @@ def assert_same(got, expected):
 
 @pytest.mark.parametrize("seed", range(16))
 def test_verify_greedy_reference_is_the_engine_rule(seed):
-    from inference.engine import verify_greedy as verify_one_chain
+    from inference.engine import chain_greedy as verify_one_chain
 
     drafts, logits = greedy_case(seed)
     accepted, token = verify_greedy_reference(drafts, logits)

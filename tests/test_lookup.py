@@ -5,10 +5,10 @@ import pytest
 import torch
 from test_engine import MAX_NEW, capture_caches, check_two_token_law, prompts_of, tiny_target
 
+from common.config import UserError
 from inference.drafting import Draft, DraftingConfig, LookupProposer
 from inference.engine import generate, generate_batch
 from inference.report import InferenceConfig, table
-from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
 
 

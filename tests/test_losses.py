@@ -5,9 +5,9 @@ import pytest
 import torch
 from conftest import DRAFT_VOCAB
 
+from common.config import UserError
 from kernels.distill import KINDS
 from speculators import draft_vocab
-from speculators.config import UserError
 from speculators.families import FAMILIES
 
 

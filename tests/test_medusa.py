@@ -14,11 +14,11 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from test_cli import REPO, run_train
 
+from common.config import UserError, to_dataclass
 from inference.drafting import DraftingConfig, MedusaChainProposer, MedusaTreeProposer
 from inference.engine import generate, select_rows
 from inference.sessions import open_session
 from speculators import export
-from speculators.config import UserError, to_dataclass
 from speculators.export import Verifier
 from speculators.families import family
 from speculators.layers import decoding_linears

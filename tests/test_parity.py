@@ -1,4 +1,4 @@
-"""`python -m inference.parity`: an export served from disk accepts what training measured, or the
+"""`python -m benchmarks.parity`: an export served from disk accepts what training measured, or the
 check fails and names the likely cause (another target, a flipped norm_before_residual flag)."""
 
 import json
@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference import evalsets, parity, report
+from benchmarks import parity
+from common.config import UserError
+from inference import evalsets, report
 from inference.engine import generate
 from speculators import export
-from speculators.config import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,10 +71,10 @@ def test_another_target_is_named(run_dir, qwen3_dir):
 
 def test_cli(run_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
-    ok = subprocess.run([sys.executable, "-m", "inference.parity", f"drafter={run_dir / 'export'}"], cwd=tmp_path,
+    ok = subprocess.run([sys.executable, "-m", "benchmarks.parity", f"drafter={run_dir / 'export'}"], cwd=tmp_path,
                         env=env, capture_output=True, text=True, timeout=600)
     assert ok.returncode == 0 and ok.stdout.startswith("parity: served tau"), ok.stderr[-2000:]
-    missing = subprocess.run([sys.executable, "-m", "inference.parity", f"drafter={run_dir / 'export'}",
+    missing = subprocess.run([sys.executable, "-m", "benchmarks.parity", f"drafter={run_dir / 'export'}",
                               f"reference={tmp_path / 'none.json'}"], cwd=tmp_path, env=env, capture_output=True,
                              text=True, timeout=600)
     assert missing.returncode != 0 and "no reference report" in missing.stderr.splitlines()[-1]

@@ -11,9 +11,9 @@ from conftest import DRAFT_VOCAB, LAYER_IDS, VOCAB_SIZE
 from safetensors import safe_open
 from test_cli import run_train
 
+from common.config import UserError
 from inference.engine import generate
 from speculators import draft_vocab, export
-from speculators.config import UserError
 from speculators.export import Verifier
 from speculators.families import family
 from speculators.layers import layer_config, rope_theta, rotary, shift_left

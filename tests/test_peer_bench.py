@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import peer
-from speculators.config import UserError
+from common.config import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -81,10 +81,13 @@ def test_peer_command_runs_the_harness_in_place(tmp_path):
     c = cfg(tmp_path, seed=3)
     args, env = peer.peer_command(c, "peer_matched", 480, tmp_path / "f")
     assert args == ["bash", str(Path(c.harness).resolve()), "384", "480", str(tmp_path / "f" / "export")]
-    assert env == {"PEER_DIR": c.peer_dir, "SEED": "3", "TTT": "5"}
+    assert env == {"PEER_DIR": c.peer_dir, "SEED": "3", "TTT": "5", "EXTRA": ""}
     c.peer_defaults_env = {"TTT": "3"}
     _, env = peer.peer_command(c, "peer_defaults", 480, tmp_path / "f")
     assert env["EXTRA"] == c.peer_defaults_extra and "--optimizer muon" in env["EXTRA"] and env["TTT"] == "3"
+    c.peer_extra = "--hidden-states-dtype float32"  # both arms
+    assert peer.peer_command(c, "peer_matched", 480, tmp_path / "f")[1]["EXTRA"] == c.peer_extra
+    assert peer.peer_command(c, "peer_defaults", 480, tmp_path / "f")[1]["EXTRA"].endswith(" " + c.peer_extra)
 
 
 def test_run_dirs_differ_per_arm_budget_and_threads(tmp_path):

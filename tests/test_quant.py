@@ -1,4 +1,4 @@
-"""Quantization of the target (speculators/quant.py, kernels/quant_matmul.py).
+"""Quantization of the target (speculators/quant/__init__.py, kernels/quant_matmul.py).
 
 1. Each scheme's Linear replacement computes x W_q^T + b for its quantized W_q: PyTorch's packed
    CPU operators and the dequantize-matmul path against kernels.quant_matmul_reference, on
@@ -33,10 +33,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import LAYER_IDS, run_interpreted_tests
+from conftest import LAYER_IDS, require_cpu_kernel, run_interpreted_tests
 from torch import nn
 
 import kernels
+from common.config import UserError
 from inference.engine import generate
 from kernels import quant_matmul, quant_matmul_reference, quant_matmul_triton
 from kernels.quant_matmul import (
@@ -50,8 +51,6 @@ from kernels.quant_matmul import (
     quant_matmul_cpu,
     unpack_int4,
 )
-from speculators.config import UserError
-from speculators.gptq import gptq_int4
 from speculators.layers import DecodingLinear, decoding_linears
 from speculators.quant import (
     ACT_LEVELS,
@@ -70,6 +69,7 @@ from speculators.quant import (
     stack_linears,
     weight_bytes,
 )
+from speculators.quant.gptq import gptq_int4
 from speculators.target import FrozenTarget, TargetConfig
 
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -353,8 +353,8 @@ def test_a_target_quantized_by_another_library_is_refused(llama_target):
 
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
 def test_kernel_rejects_inconsistent_inputs(impl):
-    if impl == "cpu" and (kernels.INTERPRET or cpu_ops() is None):
-        pytest.skip("the CPU kernel needs AVX2 and a C++ compiler (and no TRITON_INTERPRET)")
+    if impl == "cpu":
+        require_cpu_kernel()
     matmul = quant_matmul_reference if impl == "reference" else quant_matmul_cpu
     q = torch.zeros(4, 8, dtype=torch.uint8)
     with pytest.raises(ValueError, match="group_size dividing K"):
@@ -483,8 +483,13 @@ def test_gptq_without_a_tokenizer_is_a_one_line_error(llama_target):
 
 # --- 8. the CPU kernel ---------------------------------------------------------------------------
 
-needs_cpu_kernel = pytest.mark.skipif(kernels.INTERPRET or cpu_ops() is None,
-                                      reason="the CPU kernel needs AVX2 and a C++ compiler (and no TRITON_INTERPRET)")
+needs_cpu_kernel = pytest.mark.usefixtures("cpu_kernel")  # skips without a compiler; a failed build fails
+
+
+def test_cpu_kernel_builds_wherever_a_compiler_is(cpu_kernel):
+    """Code paths that fall back to the reference when cpu_ops() is None pass either way; this one does not:
+    with a C++ compiler and AVX2 here, a kernel that fails to build is a failure (conftest.require_cpu_kernel)."""
+    assert cpu_kernel.fp32_x_isa("") in ("avx2", "avx512")
 
 
 def int4_weights(N: int, K: int, group: int):

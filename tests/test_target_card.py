@@ -1,4 +1,4 @@
-"""train.target_card: the card and heldout.json of a tiny random Llama, and one-line errors."""
+"""benchmarks.target_card: the card and heldout.json of a tiny random Llama, and one-line errors."""
 
 import json
 import math
@@ -9,9 +9,9 @@ import datasets
 import pytest
 import torch
 
-from speculators import corpus
-from speculators.config import PROJECT_ROOT
-from train import target_card
+from benchmarks import target_card
+from common import corpus
+from common.config import PROJECT_ROOT
 from train.data import DataConfig
 from train.optim import OptimConfig
 from train.pretrain import (
@@ -122,7 +122,7 @@ def one_line_error(result) -> str:
 
 def test_missing_folder_is_one_line_exit_2(tmp_path):
     missing = tmp_path / "no-such-model"
-    result = subprocess.run([sys.executable, "-m", "train.target_card", str(missing)], cwd=PROJECT_ROOT,
+    result = subprocess.run([sys.executable, "-m", "benchmarks.target_card", str(missing)], cwd=PROJECT_ROOT,
                             capture_output=True, text=True, timeout=60)
     assert str(missing) in one_line_error(result) and "does not exist" in result.stderr
 

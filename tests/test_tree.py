@@ -111,7 +111,7 @@ def test_tree_generation_matches_target_only(llama_target, text_batch, monkeypat
 
 
 def test_tree_mode_refuses_sampling(llama_target, make_drafter, text_batch):
-    from speculators.config import UserError
+    from common.config import UserError
 
     with pytest.raises(UserError, match="greedily"):
         generate(llama_target, make_drafter(llama_target), text_batch[0, :8].tolist(), 8, k=3, temperature=0.7,

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from speculators.config import UserError
+from common.config import UserError
 from train.optim import OptimConfig
 from train.pretrain import (
     CausalLMModule,

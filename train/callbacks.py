@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from common.config import at_least, require
 from inference.engine import Stats, generate
-from speculators.config import at_least, require
 from train.module import unsharded
 
 

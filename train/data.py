@@ -47,8 +47,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, IterableDataset
 
-from speculators.config import UserError, at_least, one_of, require
-from speculators.corpus import (
+from common.config import UserError, at_least, one_of, require
+from common.corpus import (
     SHAREGPT_ROLES,
     SPLITS,
     example_key,

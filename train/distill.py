@@ -3,9 +3,9 @@
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from common.config import UserError, require, to_dataclass
 from inference import evalsets, report
 from speculators import draft_vocab, export
-from speculators.config import UserError, require, to_dataclass
 from speculators.families import family
 from speculators.target import FrozenTarget
 from train.callbacks import ServeEvalCallback, wall_time

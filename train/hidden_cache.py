@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from speculators.config import UserError, exit_on_user_error, run_cli, to_dataclass
+from common.config import UserError, exit_on_user_error, run_cli, to_dataclass
 from speculators.export import check_writable, move_into_place
 from speculators.target import FrozenTarget
 from train.data import TextDataModule, load_examples

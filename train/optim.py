@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculators.config import UserError, at_least, require
+from common.config import UserError, at_least, require
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 `python train.py conf=target_pretrain` trains a byte-level BPE tokenizer on the train split,
 then a Llama-architecture causal LM (RMSNorm, RoPE, SwiGLU, grouped-query attention) on
-packed sequences of it, and saves both with save_pretrained. `python -m train.target_card`
+packed sequences of it, and saves both with save_pretrained. `python -m benchmarks.target_card`
 then measures the held-out loss and writes the model card.
 """
 
@@ -17,8 +17,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from speculators import corpus
-from speculators.config import UserError, require
+from common import corpus
+from common.config import UserError, require
 from train.callbacks import wall_time
 from train.data import TextDataModule
 from train.optim import OptimConfig, check_finite, configure
@@ -218,4 +218,4 @@ def run_pretrain(recipe: PretrainRecipe, run_dir: Path) -> None:
                             "next_token_steps": steps - unlikelihood_steps}} if unlikelihood_steps else {}
     save_target(module, tokenizer, files, run_dir / "model", tokens_seen, wall_time(trainer), recipe.data,
                 earlier_training(recipe.init_from), how)
-    print(f"target saved to {run_dir / 'model'}; measure it with: python -m train.target_card {run_dir / 'model'}")
+    print(f"target saved to {run_dir / 'model'}; measure it with: python -m benchmarks.target_card {run_dir / 'model'}")

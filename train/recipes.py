@@ -1,5 +1,5 @@
 """The recipes `python train.py conf=<recipe>` runs, as typed configs: every key of the composed
-Hydra config lands in one of these dataclasses (speculators/config.py's to_dataclass).
+Hydra config lands in one of these dataclasses (common/config.py's to_dataclass).
 
 - drafter (conf=eagle3, ...): distil a drafter from a frozen target, then export it (train/distill.py);
 - pretrain (conf=target_pretrain): pretrain the shipped default target (train/pretrain.py).
@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common import corpus
+from common.config import UserError, at_least, one_of, require
+from common.tracking import LoggerConfig
 from inference.evalsets import EvalConfig
-from speculators import corpus
-from speculators.config import UserError, at_least, one_of, require
 from speculators.quant import QuantConfig
 from speculators.target import TargetConfig
-from speculators.tracking import LoggerConfig
 from train.callbacks import ServeEvalConfig
 from train.data import DataConfig
 from train.optim import OptimConfig

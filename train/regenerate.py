@@ -11,9 +11,13 @@ generated from the conversation before it, as the chat template renders it with 
 prompt, with the target's own earlier replies. Replies past `max_replies`, or whose prompt is
 longer than `max_prompt_tokens`, are dropped with the turns after them (counted).
 
-Engines: transformers' generate on the target as loaded, or llama.cpp's server on the target's
-GGUF file (engine=llamacpp, inference/llamacpp.py): the same 4-bit weights, several times faster
-here. The data set records which.
+Engines: transformers' generate on the target as loaded, llama.cpp's server on the target's
+GGUF file (engine=llamacpp, engines/llamacpp.py): the same 4-bit weights, several times faster
+here, or vLLM's offline engine (engine=vllm) on the target's Hugging Face folder (a GGUF target's
+converted one), in a venv of its own (`vllm_python`): the project's torch is not vLLM's. Our
+process renders the prompts and writes the shards; workers, engines/vllm_runner.py --generate,
+generate: one per visible GPU (data parallel, `vllm_workers`), one on a CPU. The data set records
+which engine, with its version.
 
 Long runs: conversations go in chunks, in the input's order (each engine's `regenerate` says how
 it schedules a chunk's replies). Each finished chunk is appended to the folder `out` (Shards), so
@@ -26,6 +30,8 @@ import contextlib
 import gzip
 import json
 import os
+import subprocess
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,17 +43,17 @@ import transformers
 from tqdm import tqdm
 from transformers import GenerationConfig
 
-from inference import llamacpp
+from common.config import UserError, at_least, one_of, require, run_command
+from common.corpus import SPLITS
+from engines import llamacpp, vllm_venv
 from speculators import gguf_file
-from speculators.config import UserError, at_least, one_of, require, run_command
-from speculators.corpus import SPLITS
 from speculators.quant import QuantConfig
 from speculators.target import FrozenTarget, TargetConfig
 from train.data import CHAT_FIELDS, DataConfig, chat_template, conversation, read_examples, split_by_hash
 
 CHUNK_BATCHES = 8  # batches per chunk: what an interruption can lose
 MAX_TURNS = 1000  # sampling seeds: conversation i's reply r draws with seed + MAX_TURNS * i + r
-ENGINES = ("transformers", "llamacpp")
+ENGINES = ("transformers", "llamacpp", "vllm")
 
 
 @dataclass
@@ -66,8 +72,10 @@ class RegenerateConfig:
     max_prompt_tokens: int = 2048  # a reply whose prompt is longer is dropped, with the turns after it
     shard_size: int = 1000  # conversations per shard file
     batch_size: int = 8  # replies generated together (left-padded; llamacpp: parallel server slots)
-    engine: str = "transformers"  # transformers (the target as loaded) | llamacpp (llama-server on target.gguf_file)
-    threads: int = 1  # engine=llamacpp: llama-server's threads
+    engine: str = "transformers"  # transformers (the target as loaded) | llamacpp (llama-server on target.gguf_file) | vllm
+    threads: int = 1  # engine=llamacpp: llama-server's threads; engine=vllm on a CPU: each worker's OpenMP threads
+    vllm_python: str | None = None  # engine=vllm: its venv's python; None: $VLLM_CPU_PYTHON, else /tmp/vllm-cpu-venv/bin/python
+    vllm_workers: int | None = None  # engine=vllm: worker processes, one per GPU; None: one per visible GPU, 1 without
     seed: int = 0
     overwrite: bool = False
 
@@ -80,11 +88,11 @@ class RegenerateConfig:
         one_of("engine", self.engine, ENGINES)
         require(self.engine != "llamacpp" or self.target.gguf_file is not None, "engine", self.engine,
                 "transformers unless target.gguf_file is set (llama.cpp serves the GGUF file)")
-        require(self.engine != "llamacpp" or self.quant.scheme == "none", "quant.scheme", self.quant.scheme,
-                "none with engine=llamacpp (it serves the file's own weights)")
+        require(self.engine == "transformers" or self.quant.scheme == "none", "quant.scheme", self.quant.scheme,
+                f"none with engine={self.engine} (it serves the weights as stored)")
         at_least(1, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size, shard_size=self.shard_size,
                  max_prompt_tokens=self.max_prompt_tokens)
-        for key in ("limit", "max_replies"):
+        for key in ("limit", "max_replies", "vllm_workers"):
             require(getattr(self, key) is None or getattr(self, key) >= 1, key, getattr(self, key), ">= 1 or null")
 
 
@@ -113,17 +121,20 @@ class Tally:
 
 def regenerate(cfg: RegenerateConfig) -> Path:
     out = Path(cfg.out)
-    target = FrozenTarget.load(replace(cfg.target, layer_ids=[]), cfg.quant)  # generation reads no features
+    python = vllm_venv.venv_python(cfg.vllm_python, "or another engine=") if cfg.engine == "vllm" else None
+    # Generation reads no features; the other engines generate elsewhere: the target without its decoder layers
+    # (its tokenizer and fingerprint, the same as the whole target's).
+    target = FrozenTarget.load(replace(cfg.target, layer_ids=[]), cfg.quant, layers=cfg.engine == "transformers")
     template = chat_template(cfg.data, target.tokenizer)
     rows = chosen_rows(cfg)
     shards = Shards(out, cfg.shard_size)
-    done = resume(cfg, target, shards)
+    done = resume(cfg, target, shards, python)
     if done:
         print(f"resuming {out}: {done} of {len(rows)} conversations done")
     torch.manual_seed(cfg.seed + done)
-    tally, start = Tally(), time.perf_counter()
-    chunk = cfg.batch_size * CHUNK_BATCHES
-    generator = LlamaCppGenerator(cfg, target, tally) if cfg.engine == "llamacpp" else HFGenerator(cfg, target, tally)
+    tally, chunk = Tally(), cfg.batch_size * CHUNK_BATCHES
+    generator = make_generator(cfg, target, tally, python)
+    start = time.perf_counter()  # after the engine has loaded
     with tqdm(initial=done, total=len(rows), unit="conversation", desc="regenerating") as bar, \
             contextlib.closing(generator):
         for at in range(done, len(rows), chunk):
@@ -135,30 +146,37 @@ def regenerate(cfg: RegenerateConfig) -> Path:
                            for row, chat in zip(chosen, chats)])
             bar.update(len(chosen))
             bar.set_postfix(tokens=tally.tokens, tok_s=f"{tally.tokens / (time.perf_counter() - start):.0f}")
+    shards.close()
     elapsed = time.perf_counter() - start
     how = f"temperature {cfg.temperature}" if cfg.temperature else "greedy"
     print(f"regenerated {tally.replies} replies ({tally.tokens} tokens, {tally.tokens / max(elapsed, 1e-9):.0f} "
           f"tokens/s) in {len(rows) - done} conversations ({how}; {tally.cut} cut at max_new_tokens="
           f"{cfg.max_new_tokens}, {tally.dropped} dropped): {out}")
     recorded = json.loads(shards.meta.read_text())
-    totals = {k: recorded.get("totals", {}).get(k, 0) + v for k, v in tally.figures().items()}
+    figures = tally.figures() | {"seconds": round(elapsed, 3)}  # generation's wall time, loading left out
+    totals = {k: recorded.get("totals", {}).get(k, 0) + v for k, v in figures.items()}
     shards.meta.write_text(json.dumps(recorded | {"conversations": len(rows), "totals": totals}, indent=2) + "\n")
     return out
 
 
 class Shards:
-    """The output folder: part-00000.jsonl.gz, ... of `size` conversations each (compressed when full, so
-    the folder can be committed), the open one as plain part-NNNNN.jsonl, and meta.json. Training reads
-    the folder as one data set (data.path=<folder>)."""
+    """The output folder: part-00000.jsonl.gz, ... of up to `size` conversations each, the open one as plain
+    part-NNNNN.jsonl, and meta.json. A shard is compressed when full and when a run ends or resumes: a closed
+    shard never changes, so a committed folder grows by new files only. Training reads the folder as one data
+    set (data.path=<folder>)."""
 
     def __init__(self, folder: Path, size: int):
         self.folder, self.size, self.meta = folder, size, folder / "meta.json"
 
     def count(self) -> int:
-        """Conversations held; first drops an open shard's last line cut by an interruption."""
-        full = len(list(self.folder.glob("part-*.jsonl.gz")))
+        """Conversations held; first drops an open shard's last line cut by an interruption, and a full shard's
+        plain copy that an interruption left beside its compressed one."""
+        closed = sorted(self.folder.glob("part-*.jsonl.gz"))
+        for compressed in closed:
+            compressed.with_suffix("").unlink(missing_ok=True)
         opened = self.opened()
-        return full * self.size + (keep_whole_lines(opened) if opened.exists() else 0)
+        held = keep_whole_lines(opened) if opened.exists() else 0
+        return held + sum(gzip.decompress(path.read_bytes()).count(b"\n") for path in closed)
 
     def opened(self) -> Path:
         return self.folder / f"part-{len(list(self.folder.glob('part-*.jsonl.gz'))):05d}.jsonl"
@@ -170,15 +188,26 @@ class Shards:
             with opened.open("a", encoding="utf-8") as f:
                 f.writelines(line + "\n" for line in lines[:room])
             lines = lines[room:]
-            if keep_whole_lines(opened) == self.size:  # full: compress it, atomically
-                partial = opened.with_name(opened.name + ".gz.partial")
-                partial.write_bytes(gzip.compress(opened.read_bytes(), mtime=0))
-                os.replace(partial, opened.with_name(opened.name + ".gz"))
-                opened.unlink()
+            if keep_whole_lines(opened) == self.size:
+                close_shard(opened)
+
+    def close(self) -> None:
+        """Compress the open shard, full or not: what a run leaves is never appended to again."""
+        opened = self.opened()
+        if opened.exists() and keep_whole_lines(opened):
+            close_shard(opened)
 
     def clear(self) -> None:
         for path in self.folder.glob("part-*"):
             path.unlink()
+
+
+def close_shard(opened: Path) -> None:
+    """part-NNNNN.jsonl -> part-NNNNN.jsonl.gz, atomically (an interruption leaves both; count() drops the plain)."""
+    partial = opened.with_name(opened.name + ".gz.partial")
+    partial.write_bytes(gzip.compress(opened.read_bytes(), mtime=0))
+    os.replace(partial, opened.with_name(opened.name + ".gz"))
+    opened.unlink()
 
 
 def chosen_rows(cfg: RegenerateConfig) -> list:
@@ -188,25 +217,33 @@ def chosen_rows(cfg: RegenerateConfig) -> list:
     return list(rows)[: cfg.limit]
 
 
-def settings(cfg: RegenerateConfig, target: FrozenTarget) -> dict:
+def settings(cfg: RegenerateConfig, target: FrozenTarget, python: Path | None = None) -> dict:
     """What decides each conversation's output: a folder is continued only under the same settings
     (limit may grow: rows are taken in order)."""
     source = Path(cfg.data.path) if cfg.data.source == "file" else None  # by name and size: venvs differ by machine
     data = {"source": cfg.data.source, "file": source.name if source else cfg.data.path, "layout": cfg.data.layout,
             "bytes": source.stat().st_size if source and source.is_file() else None,
             "chat_template": cfg.data.chat_template}
-    engine = (f"llama.cpp {llamacpp.VERSION} (llama-cpp-python's vendored source) llama-server"
-              if cfg.engine == "llamacpp" else
-              f"transformers {transformers.__version__} generate, torch {torch.__version__}, {cfg.target.dtype}")
     kept = {k: getattr(cfg, k) for k in ("split", "temperature", "max_new_tokens", "max_replies", "max_prompt_tokens",
                                          "seed", "shard_size")}
     return kept | {"target": target.name_or_path, "target_fingerprint": target.fingerprint(),
-                   "quant": cfg.quant.scheme, "data": data, "engine": engine}
+                   "quant": cfg.quant.scheme, "data": data, "engine": engine_name(cfg, python)}
 
 
-def resume(cfg: RegenerateConfig, target: FrozenTarget, shards: Shards) -> int:
+def engine_name(cfg: RegenerateConfig, python: Path | None) -> str:
+    """The engine and its version: a folder is continued only by the same."""
+    if cfg.engine == "llamacpp":
+        return f"llama.cpp {llamacpp.VERSION} (llama-cpp-python's vendored source) llama-server"
+    if cfg.engine == "vllm":
+        found = json.loads(subprocess.run([str(python), str(vllm_venv.RUNNER), "--versions"], capture_output=True,
+                                          text=True, check=True).stdout)
+        return f"vLLM {found['vllm']} LLM.generate, torch {found['torch']}, {cfg.target.dtype}"
+    return f"transformers {transformers.__version__} generate, torch {torch.__version__}, {cfg.target.dtype}"
+
+
+def resume(cfg: RegenerateConfig, target: FrozenTarget, shards: Shards, python: Path | None = None) -> int:
     """How many conversations the folder already holds (0 for a new one), after checking its settings."""
-    wanted = settings(cfg, target)
+    wanted = settings(cfg, target, python)
     if cfg.overwrite or not shards.meta.exists():
         if shards.folder.exists() and any(shards.folder.iterdir()) and not cfg.overwrite:
             raise UserError(f"out={shards.folder} is a folder of other files; choose a new or empty folder")
@@ -219,7 +256,9 @@ def resume(cfg: RegenerateConfig, target: FrozenTarget, shards: Shards) -> int:
     if differ:
         raise UserError(f"{shards.folder} already holds conversations written with other settings "
                         f"({', '.join(differ)}); pass overwrite=true to replace them")
-    return shards.count()
+    held = shards.count()
+    shards.close()  # what an earlier run left stays as it is: this run appends new shards
+    return held
 
 
 def keep_whole_lines(path: Path) -> int:
@@ -337,6 +376,92 @@ class LlamaCppGenerator:
     def close(self) -> None:
         self.pool.shutdown()
         self.server.close()
+
+
+class VLLMGenerator:
+    """vLLM's offline engine in its own venv: workers (engines/vllm_runner.py --generate), each batching up to
+    `batch_size` sequences itself (max_num_seqs). Round by round like HFGenerator, each round's prompts dealt
+    out between the workers; data parallel, one worker per GPU (CUDA_VISIBLE_DEVICES)."""
+
+    def __init__(self, cfg: RegenerateConfig, target: FrozenTarget, tally: Tally, python: Path):
+        self.cfg, self.tokenizer, self.tally = cfg, target.tokenizer, tally
+        folder = gguf_file.converted_folder(cfg.target.gguf_file) if cfg.target.gguf_file else cfg.target.name_or_path
+        engine = {"model": str(folder), "dtype": cfg.target.dtype, "max_num_seqs": cfg.batch_size,
+                  "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens, "temperature": cfg.temperature,
+                  "max_tokens": cfg.max_new_tokens, "seed": cfg.seed}
+        self.workers = [VLLMWorker(python, engine, devices, cfg.threads) for devices in worker_devices(cfg.vllm_workers)]
+        try:
+            for worker in self.workers:  # started together, so they load side by side
+                worker.receive()  # {"ready": true}
+        except UserError:
+            self.close()
+            raise
+
+    def regenerate(self, chats: list[Chat]) -> None:
+        while pending := [(chat, ids) for chat in chats if (ids := chat.next_prompt()) is not None]:
+            shares = [pending[i :: len(self.workers)] for i in range(len(self.workers))]  # dealt: lengths mix
+            for worker, share in zip(self.workers, shares):
+                worker.send([ids for _, ids in share], [self.cfg.seed + chat.seed + chat.done for chat, _ in share])
+            for worker, share in zip(self.workers, shares):
+                answer = worker.receive()
+                self.tally.count([len(tokens) for tokens in answer["tokens"]], answer["stopped"])
+                for (chat, _), tokens in zip(share, answer["tokens"]):
+                    chat.answer(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+
+
+class VLLMWorker:
+    """One engines/vllm_runner.py --generate process: JSON lines in and out. Its log (what vLLM says) is kept
+    in /tmp unless it ends normally."""
+
+    def __init__(self, python: Path, engine: dict, devices: dict, threads: int):
+        self.log = tempfile.NamedTemporaryFile("w", prefix="vllm-worker-", suffix=".log", delete=False)
+        self.log_path = Path(self.log.name)
+        env = vllm_venv.runner_env(python, threads) | devices
+        self.process = subprocess.Popen([str(python), str(vllm_venv.RUNNER), "--generate", json.dumps(engine)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                        env=env, preexec_fn=llamacpp.die_with_parent)
+
+    def send(self, prompts: list[list[int]], seeds: list[int]) -> None:
+        self.process.stdin.write(json.dumps({"prompts": prompts, "seeds": seeds}) + "\n")
+        self.process.stdin.flush()
+
+    def receive(self) -> dict:
+        line = self.process.stdout.readline()
+        answer = json.loads(line) if line else {"error": "it exited: " + " | ".join(
+            self.log_path.read_text(errors="replace").strip().splitlines()[-3:])}
+        if "error" in answer:
+            raise UserError(f"vLLM worker failed: {answer['error']} (log: {self.log_path})")
+        return answer
+
+    def close(self) -> None:
+        with contextlib.suppress(BrokenPipeError):  # a worker that died has no reader left
+            self.process.stdin.close()  # EOF: the worker returns
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+        if self.process.returncode == 0:
+            self.log_path.unlink()
+
+
+def worker_devices(workers: int | None) -> list[dict]:
+    """Each worker's CUDA_VISIBLE_DEVICES: one GPU each, of those visible; without GPUs, one worker on the CPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = [d for d in visible.split(",") if d] if visible is not None else [str(i) for i in range(torch.cuda.device_count())]
+    count = workers or max(1, len(gpus))
+    require(not gpus or count <= len(gpus), "vllm_workers", workers, f"at most the {len(gpus)} visible GPUs")
+    return [{"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus else {} for i in range(count)]
+
+
+def make_generator(cfg: RegenerateConfig, target: FrozenTarget, tally: Tally, python: Path | None):
+    if cfg.engine == "vllm":
+        return VLLMGenerator(cfg, target, tally, python)
+    return (LlamaCppGenerator if cfg.engine == "llamacpp" else HFGenerator)(cfg, target, tally)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig
 
-from speculators.config import UserError, one_of, to_dataclass
+from common.config import UserError, one_of, to_dataclass
 from train.distill import run_distill
 from train.pretrain import run_pretrain
 from train.recipes import RECIPES, RESULTS

@@ -13,8 +13,8 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from speculators.config import UserError
-from speculators.tracking import LoggerConfig, wandb_mode
+from common.config import UserError
+from common.tracking import LoggerConfig, wandb_mode
 from train.callbacks import CheckpointOnSignal, ProgressLines, TrainingRandomState, WallClock
 from train.recipes import ALL_DEVICES, TrainerConfig, checkpoint_to_resume
 

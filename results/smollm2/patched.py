@@ -1,6 +1,6 @@
 """Run one of the project's commands in this process, after a results script patched what it measures
 (results/smollm2/depth/deep.py, results/smollm2/features/features.py): argv is the command (a script such
-as train.py, or a module such as inference.compare) and its overrides."""
+as train.py, or a module such as benchmarks.compare) and its overrides."""
 
 import runpy
 import sys

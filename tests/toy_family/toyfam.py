@@ -13,16 +13,8 @@ import torch
 from torch import nn
 
 from kernels import distill_loss
+from speculators import layers
 from speculators.drafter import ChainDrafter
-from speculators.layers import (
-    KVCache,
-    LlamaDecoderLayer,
-    RotaryTable,
-    cached_layer,
-    layer_config,
-    shift_left,
-    ttt_attention,
-)
 
 
 @dataclass
@@ -41,13 +33,13 @@ class ToyDrafter(ChainDrafter):
         super().__init__()
         H, N = self.add_target_parts(cfg, layer_cfg, [])
         self.fc = nn.Linear(H + target_hidden_size, H, bias=False)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(layer_cfg, H)])
+        self.layers = nn.ModuleList([layers.LlamaDecoderLayer(layer_cfg, H)])
         self.lm_head = nn.Linear(H, N, bias=False)
-        self.rotary_table = RotaryTable(layer_cfg)
+        self.rotary_table = layers.RotaryTable(layer_cfg)
 
     @classmethod
     def from_target(cls, cfg, target, token_counts):
-        drafter = cls(cfg, layer_config(target), target.hidden_size)
+        drafter = cls(cfg, layers.layer_config(target), target.hidden_size)
         drafter.start_from_target(target, token_counts, cfg.draft_vocab_size)
         return drafter
 
@@ -67,22 +59,22 @@ class ToyDrafter(ChainDrafter):
         return target_out.last_hidden
 
     def new_cache(self, batch, max_len, device=None):
-        return KVCache.of(self.layer_cfg, batch, max_len, device)
+        return layers.KVCache.of(self.layer_cfg, batch, max_len, device)
 
     def step(self, cache, tokens, hidden, positions=None, visible=None):
         x = self.fc(torch.cat([self.embed_tokens(tokens), hidden], dim=-1))
-        out = cached_layer(self.layers[0], self.rotary_table, cache, x, x, positions, visible)
+        out = layers.cached_layer(self.layers[0], self.rotary_table, cache, x, x, positions, visible)
         return self.lm_head(out), out
 
     def training_loss(self, target_out, input_ids, loss_mask):
         """Position t reads token t+1 and the target's state at t, and learns its distribution at t+1."""
         layer, T = self.layers[0], input_ids.shape[1]
-        x = self.fc(torch.cat([self.embed_tokens(shift_left(input_ids, 1)), target_out.last_hidden], dim=-1))
+        x = self.fc(torch.cat([self.embed_tokens(layers.shift_left(input_ids, 1)), target_out.last_hidden], dim=-1))
         cos, sin = (table[:T] for table in self.rotary_table(T, x.device))
         q, k, v = layer.self_attn.qkv(x, cos, sin)
-        logits = self.lm_head(layer.finish(x, ttt_attention(q, [k], [v])))  # one step: causal attention
-        counted = shift_left(loss_mask, 2).bool()
+        logits = self.lm_head(layer.finish(x, layers.ttt_attention(q, [k], [v])))  # one step: causal attention
+        counted = layers.shift_left(loss_mask, 2).bool()
         per_position = distill_loss(logits, target_out.logits, self.draft_to_target, counted, kind="soft_ce", shift=1)
-        hits = (self.draft_to_target[logits.argmax(-1)] == shift_left(target_out.logits.argmax(-1), 1)) & counted
+        hits = (self.draft_to_target[logits.argmax(-1)] == layers.shift_left(target_out.logits.argmax(-1), 1)) & counted
         accuracy = hits.sum() / counted.sum().clamp(min=1)
         return per_position.sum() / counted.sum().clamp(min=1), {f"acc_step{j}": accuracy for j in range(self.depth)}

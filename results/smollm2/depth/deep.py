@@ -8,7 +8,7 @@ project's own command runs:
 
     python results/smollm2/depth/deep.py train.py <train.py overrides> +drafter.num_layers=2 \
         +drafter.start_from=models/smollm2-eagle3
-    python results/smollm2/depth/deep.py inference.compare <inference.compare overrides>
+    python results/smollm2/depth/deep.py benchmarks.compare <benchmarks.compare overrides>
 """
 
 import sys
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from speculators import export, families
-from speculators.eagle3 import Eagle3Attention, Eagle3Config, Eagle3DecoderLayer, Eagle3Drafter, ttt_attention
-from speculators.layers import KVCache, RMSNorm, SwiGLU
+from speculators import export
+from speculators.drafter import FAMILIES
+from speculators.eagle3 import Eagle3Config, Eagle3Drafter
+from speculators.layers import LayerCaches, cached_layer, ttt_attention
+from speculators.peagle import PEagleDecoderLayer as PlainLayer  # a Llama decoder layer over the hidden state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # results/smollm2/patched.py
 from patched import run_command  # noqa: E402
@@ -31,34 +31,6 @@ from patched import run_command  # noqa: E402
 class DeepEagle3Config(Eagle3Config):
     num_layers: int = 1  # decoder layers: EAGLE-3's own, then num_layers - 1 plain ones
     start_from: str | None = None  # an export whose weights the first layer (and the rest of the drafter) start from
-
-
-class PlainLayer(nn.Module):
-    """A Llama decoder layer over the hidden state (pre-norm attention and MLP, residual around each)."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Eagle3Attention(c, c.hidden_size)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
-
-    finish = Eagle3DecoderLayer.finish  # o_proj, residual add and MLP, as EAGLE-3's own layer
-
-
-class LayerCaches:
-    """One KVCache per layer behind KVCache's interface (length, crop)."""
-
-    def __init__(self, caches):
-        self.caches = caches
-
-    @property
-    def length(self):
-        return self.caches[0].length
-
-    def crop(self, length):
-        for cache in self.caches:
-            cache.crop(length)
 
 
 class DeepEagle3Drafter(Eagle3Drafter):
@@ -99,29 +71,21 @@ class DeepEagle3Drafter(Eagle3Drafter):
         return hidden
 
     def new_cache(self, batch, max_len, device=None):
-        c = self.layer_cfg
-        return LayerCaches([KVCache(batch, c.num_attention_heads, max_len, c.head_dim, device) for _ in self.layers])
+        return LayerCaches.of(self.layer_cfg, len(self.layers), batch, max_len, device)
 
     @torch.no_grad()
     def step(self, cache, tokens, hidden, positions=None, visible=None):
-        caches, start, m = cache.caches, cache.length, tokens.shape[1]
         residual, x = self.layers[0].attention_input(self.embed_tokens(tokens), hidden)
-        hidden = self.cached_layer(caches[0], residual, x, positions, visible)
-        if positions is None:
-            cos, sin = (table[start : start + m] for table in self.rotary_table(start + m))
-            visible = torch.arange(start + m)[None, :] <= torch.arange(start, start + m)[:, None]
-        else:
-            cos, sin = (table[positions] for table in self.rotary_table(int(positions.max()) + 1))
-        for layer, layer_cache in zip(self.layers[1:], caches[1:]):
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(hidden), cos, sin)
-            keys, values = layer_cache.append(k, v)
-            hidden = layer.finish(hidden, F.scaled_dot_product_attention(q, keys, values, attn_mask=visible))
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+            if i:
+                residual, x = layer.attention_input(None, hidden)
+            hidden = cached_layer(layer, self.rotary_table, layer_cache, residual, x, positions, visible)
         hidden = self.carried(hidden)
         return self.logits(hidden), hidden
 
 
 def main():
-    families.FAMILIES["eagle3"] = DeepEagle3Drafter
+    FAMILIES["eagle3"] = DeepEagle3Drafter  # served and exported as EAGLE-3 with more layers, as vLLM reads them
     run_command(sys.argv[1:])
 
 

@@ -4,7 +4,7 @@ WeightOnlyInt8Linear through our CPU kernel) against the drafter as shipped (fp3
     python results/smollm2/drafter_int8/bench.py results/smollm2/drafter_int8/bench.json
 
 Both turns of 8 MT-bench conversations, 128 new tokens, greedy, chains of K=2 and K=5, interleaved with
-target-only decoding in inference.rounds (2 rounds); tau from the engine's counters; outputs compared
+target-only decoding in benchmarks.rounds (2 rounds); tau from the engine's counters; outputs compared
 token by token. 2 threads; run it with nothing beside.
 """
 
@@ -15,7 +15,8 @@ import sys
 import torch
 from torch import nn
 
-from inference import evalsets, report, rounds
+from benchmarks import rounds
+from inference import evalsets, report
 from inference.engine import generate
 from inference.evalsets import EvalConfig
 from speculators.quant import QuantConfig, WeightOnlyInt8Linear

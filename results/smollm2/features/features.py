@@ -6,7 +6,7 @@ process every TargetOutput (from the cache, the online target or a serving sessi
 in place of the feature at position REPLACED of target.layer_ids, so the same cache trains the other set:
 
     python results/smollm2/features/features.py REPLACED train.py <train.py overrides>
-    python results/smollm2/features/features.py REPLACED inference.compare <inference.compare overrides>
+    python results/smollm2/features/features.py REPLACED benchmarks.compare <benchmarks.compare overrides>
 
 With target.layer_ids=[2, 15, 27] and REPLACED=2 the drafter reads layers 2, 15 and the final state.
 A compare runs every drafter it names with the same replacement: one set of features per compare.

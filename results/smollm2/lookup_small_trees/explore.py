@@ -8,14 +8,15 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from inference import evalsets, report, rounds
-from inference.bench import BenchConfig
+from benchmarks import rounds
+from benchmarks.bench import BenchConfig
+from common.config import to_dataclass
+from inference import evalsets, report
 from inference.drafting import DraftingConfig
 from inference.engine import Stats, generate
-from speculators.config import to_dataclass
 
 torch.set_num_threads(2)
-with initialize_config_dir(str(Path(__file__).resolve().parents[3] / "conf" / "inference"), version_base="1.3"):
+with initialize_config_dir(str(Path(__file__).resolve().parents[3] / "conf" / "benchmarks"), version_base="1.3"):
     cfg = compose("bench", [f"drafter={Path(__file__).resolve().parents[3] / 'models' / 'smollm2-eagle3'}", "eval=mtbench", "eval.num_prompts=8",
                             "max_new_tokens=128", "assistant=null"])
 cfg = to_dataclass(BenchConfig, cfg)

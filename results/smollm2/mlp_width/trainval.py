@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from common.config import to_dataclass
 from speculators import export
-from speculators.config import to_dataclass
 from speculators.target import FrozenTarget
 from train.data import TextDataModule, load_examples
 from train.recipes import DrafterRecipe

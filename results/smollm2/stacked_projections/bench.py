@@ -7,7 +7,7 @@ against one matmul per projection, interleaved in one process so that both see t
    (quant=gguf) and fp32; 20 passes a round, 5 rounds alternating the two; medians; logits compared bit for bit.
 2. Decoding, the packed target: target-only and the shipped drafter in chains of K=2 (its fastest), each
    with and without stacking, both turns of 8 MT-bench conversations, 128 new tokens, greedy, 2 rounds of
-   inference.rounds.interleaved; outputs compared token by token.
+   benchmarks.rounds.interleaved; outputs compared token by token.
 2 threads; run it with nothing beside.
 """
 
@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from inference import evalsets, report, rounds, sessions
+from benchmarks import rounds
+from inference import evalsets, report, sessions
 from inference.engine import generate
 from inference.evalsets import EvalConfig
 from speculators.quant import QuantConfig

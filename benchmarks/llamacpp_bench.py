@@ -1,0 +1,182 @@
+"""llama.cpp as the CPU peer: our EAGLE-3 drafter served by llama.cpp, on the GGUF target it was trained against.
+
+    python -m benchmarks.llamacpp_bench drafter=<EAGLE-3 export of a GGUF target> [eval=mtbench]
+        [max_new_tokens=128] [k=K] [repeats=3] [out=DIR]
+
+On the same prompts, greedy, one thread, interleaved prompt by prompt (benchmarks/rounds.py):
+- llamacpp_target_only: llama-completion, llama.cpp's plain decoding (the speed-up baseline);
+- llamacpp_target_only_ubatch1: the same with the prompt computed one token per pass (-ub 1). llama.cpp's
+  logits depend on how many tokens a pass holds, so where this output differs from the baseline's, no
+  speculation (whose verification passes hold K + 1 tokens) can be expected to reproduce it exactly;
+- llamacpp_ngram: llama.cpp's n-gram speculation (llama-speculative-simple --spec-type ngram-simple);
+- llamacpp_eagle3_chain: the drafter exported as GGUF (speculators/export_gguf.py), --spec-type draft-eagle3;
+- ours_target_only, ours_eagle3_chain: our engine (inference/engine.py) on the same target file.
+llama.cpp's figures are its decode speed (after the prompt pass), ours wall time with the prompt.
+Outputs are compared with llama.cpp's plain continuation over their common length (speculative-simple
+may run past n_predict by part of a draft). Parity: llama.cpp's accepted share of draft tokens beside
+our engine's for the same drafter, target, prompts and K.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from benchmarks import rounds
+from common.config import UserError, at_least, exit_on_user_error, require, run_cli, to_dataclass
+from engines import llamacpp
+from inference import evalsets, report
+from inference.drafting import serving_k
+from inference.engine import generate
+from inference.evalsets import EvalConfig, Prompt
+from speculators import export, gguf_file
+from speculators.quant import QuantConfig
+
+
+@dataclass
+class LlamacppBenchConfig:
+    drafter: str = "???"  # an EAGLE-3 export whose target is a GGUF file
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig("mtbench", num_prompts=4))
+    max_new_tokens: int = 128
+    k: int | None = None  # K of both engines' chains; None: the drafter's own
+    ngram_draft_max: int = 3  # llama.cpp's n-gram drafts
+    repeats: int = 3
+    threads: int = 1
+    out: str | None = None  # None: the Hydra run directory
+
+    def __post_init__(self):
+        require(self.k is None or self.k >= 1, "k",
+                self.k, ">= 1, or null for the drafter's own")
+        at_least(1, max_new_tokens=self.max_new_tokens, ngram_draft_max=self.ngram_draft_max, repeats=self.repeats,
+                 threads=self.threads)
+
+
+@dataclass
+class Run:
+    """One generation, whichever engine ran it."""
+
+    tokens: int
+    seconds: float
+    continuation: str  # the generated text
+    drafted: int = 0
+    accepted: int = 0
+
+
+def after_prompt(text: str, prompt: str) -> str:
+    """The generated part of a tool's printed text (the prompt, then the continuation)."""
+    start = text.find(prompt)
+    if start < 0:
+        raise UserError("llama.cpp did not print the prompt it was given; its output format changed?")
+    return text[start + len(prompt):]
+
+
+def ways(target, drafter, draft_gguf: Path, k: int, cfg: LlamacppBenchConfig) -> dict:
+    """name -> function(Prompt) -> Run."""
+    source, n, threads = gguf_file.locate(target.name_or_path), cfg.max_new_tokens, cfg.threads
+
+    def text(p: Prompt) -> str:  # the templated prompt, special tokens as text (llama.cpp parses them)
+        return target.tokenizer.decode(p.ids)
+
+    def plain(ubatch: int | None = None):
+        def way(p: Prompt) -> Run:
+            r = llamacpp.completion(source, text(p), n, threads=threads, ubatch=ubatch)
+            return Run(r.n_predict, r.n_predict / r.decode_tokens_per_s, after_prompt(r.text, text(p)))
+        return way
+
+    def speculative(draft: Path | None, spec_type: str, draft_max: int):
+        def way(p: Prompt) -> Run:
+            r = llamacpp.speculative_simple(source, draft, text(p), n, draft_max=draft_max, spec_type=spec_type,
+                                            threads=threads)
+            return Run(r.n_predict, r.n_predict / r.decode_tokens_per_s, after_prompt(r.text, text(p)),
+                       r.n_drafted, r.n_accept)
+        return way
+
+    def ours(k_: int):
+        def way(p: Prompt) -> Run:
+            result = generate(target, drafter if k_ else None, p.ids, n, k_)
+            s = result.stats
+            return Run(len(result.tokens), s.ttft_s + s.decode_s, target.tokenizer.decode(result.tokens),
+                       s.num_draft_tokens, s.num_accepted_tokens)
+        return way
+
+    return {"llamacpp_target_only": plain(),
+            "llamacpp_target_only_ubatch1": plain(ubatch=1),  # the prompt one token per pass: same output?
+            "llamacpp_ngram": speculative(None, "ngram-simple", cfg.ngram_draft_max),
+            "llamacpp_eagle3_chain": speculative(draft_gguf, "draft-eagle3", k),
+            "ours_target_only": ours(0), "ours_eagle3_chain": ours(k)}
+
+
+def same_output(runs: list[Run], baseline: list[Run]) -> bool:
+    """Every continuation agrees with the baseline's over their common length."""
+    def agree(a: str, b: str) -> bool:
+        a, b = a.rstrip(), b.rstrip()
+        return a.startswith(b) or b.startswith(a)
+    return all(agree(r.continuation, b.continuation) for r, b in zip(runs, baseline))
+
+
+def run(target, drafter, prompts: list[Prompt], cfg: LlamacppBenchConfig, draft_gguf: Path) -> dict:
+    k = serving_k(drafter, cfg.k)
+    timed = rounds.interleaved(ways(target, drafter, draft_gguf, k, cfg), prompts, cfg.repeats,
+                               count=lambda r, _: (r.tokens, r.seconds))
+    rows = {}
+    for name, t in timed.items():
+        engine = name.split("_")[0]
+        base = timed[f"{engine}_target_only"]
+        drafted, accepted = sum(r.drafted for r in t.results), sum(r.accepted for r in t.results)
+        rows[name] = {"tokens_per_second": t.median_tokens_per_s(),
+                      "speedup": t.median_tokens_per_s() / base.median_tokens_per_s(),
+                      "speedup_over_llamacpp": t.median_tokens_per_s() / timed["llamacpp_target_only"].median_tokens_per_s(),
+                      "outputs_match_llamacpp_target_only": same_output(t.results, timed["llamacpp_target_only"].results),
+                      "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+                      "acceptance_rate": accepted / drafted if drafted else None, "seconds": t.seconds}
+    ours, theirs = rows["ours_eagle3_chain"]["acceptance_rate"], rows["llamacpp_eagle3_chain"]["acceptance_rate"]
+    parity = {"ours": ours, "llamacpp": theirs, "relative_difference": abs(theirs - ours) / ours if ours else None}
+    return {"k": k, "methods": rows, "acceptance_parity": parity}
+
+
+def check_gguf_target(target) -> None:
+    if not target.name_or_path.endswith(".gguf"):
+        raise UserError(f"llama.cpp serves GGUF targets; this drafter's target is {target.name_or_path} (train "
+                        f"against a GGUF target, e.g. conf=eagle3_smollm2)")
+
+
+def table(result: dict) -> str:
+    lines = [f"{'method':<28} {'tokens/s':>9} {'speed-up':>9} {'accepted':>9} {'same output':>12}"]
+    for name, row in result["methods"].items():
+        rate = f"{row['acceptance_rate']:.1%}" if row["acceptance_rate"] is not None else "-"
+        lines.append(f"{name:<28} {row['tokens_per_second']:>9.1f} {row['speedup']:>8.2f}x {rate:>9} "
+                     f"{str(row['outputs_match_llamacpp_target_only']):>12}")
+    p = result["acceptance_parity"]
+    lines.append(f"accepted share of draft tokens, K={result['k']}: llama.cpp {p['llamacpp']:.1%}, ours {p['ours']:.1%}")
+    return "\n".join(lines)
+
+
+def measure(drafter_path: str, drafter, target, cfg: LlamacppBenchConfig, out: Path) -> dict:
+    """The comparison, with the GGUF export it served written under `out`."""
+    check_gguf_target(target)
+    draft = export.save(drafter, out / "draft.gguf", export.Verifier.of(target), fmt="gguf", overwrite=True)
+    prompts = evalsets.prompts(cfg.eval, target, cfg.max_new_tokens)
+    return run(target, drafter, prompts, cfg, draft) | {
+        "drafter": drafter_path, "target": target.name_or_path, "config": asdict(cfg),
+        "git_revision": report.git_revision(), "machine": report.machine()}
+
+
+@hydra.main(config_path="../conf/benchmarks", config_name="llamacpp_bench", version_base="1.3")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    cfg = to_dataclass(LlamacppBenchConfig, cfg)
+    record = export.training_record(Path(cfg.drafter)) or {}
+    drafter, target = report.load_pair(cfg.drafter, quant=QuantConfig(**record.get("quant", {})))
+    out = Path(cfg.out or HydraConfig.get().runtime.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = measure(cfg.drafter, drafter, target, cfg, out)
+    (out / "llamacpp.json").write_text(json.dumps(result, indent=2))
+    print(table(result))
+    print(f"llama.cpp comparison: {out / 'llamacpp.json'}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
