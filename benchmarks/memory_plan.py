@@ -13,7 +13,8 @@ One training step holds (trainer=gpu: DDP in bf16-mixed, where Lightning keeps t
 - at its peak, the largest of
   - the target's forward (no grad): the hidden states of every layer (output_hidden_states), the logits in the
     target's dtype and their fp32 copy, the fp32 features;
-  - the end of the drafter's forward: the target's fp32 logits [tokens, V] and features (held until the loss
+  - the end of the drafter's forward: the target's fp32 logits [tokens, V] (online; from a hidden-state cache,
+    which stores the argmax, only the draft columns are computed) and features (held until the loss
     returns), their draft-vocabulary columns [tokens, N] in fp32, the activations autograd saved over the
     `depth` training-time-test steps, each step's keys and values, autocast's bf16 copies of the weights;
   - backward: those saved activations and weight copies, the fp32 gradients, the last step's logit gradients.
@@ -51,6 +52,7 @@ ALIASES = {"meta-llama/Llama-3.1-70B-Instruct": "meta-llama/Llama-3.3-70B-Instru
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # data.cache_dtype -> bytes of one hidden state of width H (float8 keeps an fp32 scale per token and layer)
 CACHE_BYTES = {"bfloat16": lambda h: 2 * h, "float32": lambda h: 4 * h, "float8_e4m3": lambda h: h + 4}
+GREEDY_BYTES = 4  # the target's argmax per token (int32) beside a cache's hidden states
 QUANTS = ("none", "int8", "int4", "gguf")
 
 
@@ -249,17 +251,17 @@ def step_parts(cfg: MemoryPlanConfig, s: Shapes, dtype_bytes: int, batch_size: i
     a = 2 if mixed else 4
     copy32 = 0 if dtype_bytes == 4 else 4  # .to(float32) of an fp32 tensor copies nothing
     features = (s.aux + 1) * tokens * s.hidden * 4  # TargetOutput's fp32 aux and last hidden states
-    logits = tokens * s.vocab * 4
-    head = tokens * s.vocab * (dtype_bytes + copy32) + (features if copy32 else 0)  # logits in both dtypes, features
+    draft_columns = tokens * s.draft_vocab * 4
     if cfg.hidden_states == "online":
+        logits = tokens * s.vocab * 4
+        head = tokens * s.vocab * (dtype_bytes + copy32) + (features if copy32 else 0)  # logits in both dtypes, features
         layer = tokens * dtype_bytes * (max(3 * s.intermediate, 3 * s.q_width + 3 * s.kv_width) + s.hidden)
         target_forward = (s.layers + 1) * tokens * s.hidden * dtype_bytes + max(layer, head)  # + every hidden state
-    else:  # the batch brings the cached states, decoded to fp32; lm_head makes the logits
-        target_forward = features + head
+    else:  # the batch brings the cached states (decoded to fp32) and argmax; lm_head's draft rows make the columns
+        logits, target_forward = 0, features + draft_columns
     saved = saved_activations(s, tokens, T, cfg.depth, cfg.loss_fraction, mixed)
     weight_copies = 2 * s.trainable if mixed else 0  # autocast's bf16 copies, kept for backward
     kv_lists = cfg.depth * tokens * s.q_width * (6 if mixed else 8)  # each step's rotated keys and values
-    draft_columns = tokens * s.draft_vocab * 4
     last_logits_grad = tokens * cfg.loss_fraction * s.draft_vocab * a
     return {"target forward (no grad)": target_forward,
             "drafter forward end": logits + features + draft_columns + saved + kv_lists + weight_copies,
@@ -296,7 +298,7 @@ def step_flops(cfg: MemoryPlanConfig, s: Shapes) -> float:
     if cfg.hidden_states == "online":
         target = tokens * (2 * s.target_matmul_params + 2 * s.layers * T * s.q_width)
     else:
-        target = tokens * 2 * s.hidden * s.vocab  # lm_head over the cached final states
+        target = tokens * 2 * s.hidden * s.draft_vocab  # lm_head's draft rows over the cached final states
     drafter = 3 * tokens * 2 * s.aux * s.hidden * s.hidden  # fc, once
     for j in range(cfg.depth):
         drafter += 3 * tokens * (2 * s.layer_matmul_params + 2 * s.hidden * s.draft_vocab * cfg.loss_fraction
@@ -316,7 +318,7 @@ def plan(cfg: MemoryPlanConfig, target: Target | None = None) -> dict:
             "config": asdict(cfg), "shapes": asdict(s),
             "target_weight_bytes": s.target_weights, **figures(cfg, s, dtype_bytes, cfg.batch_size, share),
             "largest_batch": largest_batch(cfg, s, dtype_bytes, share),
-            "hidden_cache_bytes_per_token": (s.aux + 1) * CACHE_BYTES[cfg.cache_dtype](s.hidden),
+            "hidden_cache_bytes_per_token": (s.aux + 1) * CACHE_BYTES[cfg.cache_dtype](s.hidden) + GREEDY_BYTES,
             "time": {"step_tflop": flops / 1e12, "step_s": step_s, "tokens_per_s": tokens / step_s,
                      "gpu_hours_per_billion_tokens": 1e9 / (tokens / step_s) / 3600}}
 

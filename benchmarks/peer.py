@@ -137,10 +137,19 @@ def cache_command(cfg: PeerBenchConfig, cache_dir: Path) -> list[str]:
 
 
 def peer_command(cfg: PeerBenchConfig, arm: str, steps: int, folder: Path) -> tuple[list[str], dict[str, str]]:
+    """The harness with its WORK in `folder`/work (it wipes WORK/ckpt: runs side by side need one each), whose
+    data/ links to the rows and hidden states made once per N (the harness reuses what it finds there)."""
     env = {"PEER_DIR": cfg.peer_dir, "SEED": str(cfg.seed), "TTT": str(cfg.depth), "EXTRA": cfg.peer_extra}
     if arm == "peer_defaults":
         env |= {"EXTRA": f"{cfg.peer_defaults_extra} {cfg.peer_extra}".strip()} | dict(cfg.peer_defaults_env)
-    return ["bash", str(harness_path(cfg)), str(cfg.n), str(steps), str(folder / "export")], env
+    return ["bash", str(harness_path(cfg)), str(cfg.n), str(steps), str(folder / "export"), str(folder / "work")], env
+
+
+def link_peer_data(cfg: PeerBenchConfig, folder: Path) -> None:
+    data = folder / "work" / "data"
+    if not data.exists():
+        data.parent.mkdir(parents=True, exist_ok=True)
+        data.symlink_to(Path(cfg.peer_dir) / f"work-{cfg.n}" / "data")
 
 
 def shell_line(args: list[str], env: dict[str, str]) -> str:
@@ -269,6 +278,7 @@ def train_arm(cfg: PeerBenchConfig, arm: str, steps: int) -> Path:
     else:
         check_peer_venv(cfg)
         args, env = peer_command(cfg, arm, steps, folder)
+        link_peer_data(cfg, folder)
         run_logged(cfg, args, env, folder, "train", STEP_LINES["peer"])
     return folder
 
@@ -705,10 +715,11 @@ def bench(cfg: PeerBenchConfig) -> Path:
     extra = {"hidden states": hidden,
              "time to tau (CPU seconds, 1 thread)": time_to_tau(rows, cfg.tau_goal, {a: peer_hidden_s for a in PEER_ARMS})}
     if served:
-        base = {r["steps"]: served["drafters"][r["name"]]["tau_per_prompt"] for r in rows if r["arm"] == "ours"}
-        extra["paired tau difference vs ours (same prompts), mean ± s.e."] = {
+        ours = next((a for a in OUR_ARMS if any(r["arm"] == a for r in rows)), "ours")
+        base = {r["steps"]: served["drafters"][r["name"]]["tau_per_prompt"] for r in rows if r["arm"] == ours}
+        extra[f"paired tau difference vs {ours} (same prompts), mean ± s.e."] = {
             r["name"]: paired(served["drafters"][r["name"]]["tau_per_prompt"], base[r["steps"]])
-            for r in rows if r["arm"] != "ours" and r["steps"] in base}
+            for r in rows if r["arm"] != ours and r["steps"] in base}
     speed = {(r["arm"], r["steps"]): r.get("train_tokens_per_cpu_s") for r in rows}
     ratio = {f"{ours}/{peer}@{steps}": speed[ours, steps] / speed[peer, steps]
              for ours in OUR_ARMS for peer in PEER_ARMS for steps in sorted(cfg.steps)

@@ -207,11 +207,11 @@ class DFlashDrafter(MaskEmbedding, ParallelDrafter):
         at = drafted.clamp(max=T - 1)
         counted = valid[..., None] & (drafted < T) & loss_mask.gather(1, at.flatten(1)).view_as(at).bool()
         batch = torch.arange(len(input_ids), device=input_ids.device)[:, None, None].expand_as(at)
-        target_argmax = target_out.logits.argmax(-1)[batch, at - 1]
+        target_argmax = target_out.argmax()[batch, at - 1]
         trained = counted & self.t2d[target_argmax]
         rows = counted.nonzero(as_tuple=True)
         logits = self.logits(hidden[rows])
-        target_logits = target_out.logits[batch[rows], at[rows] - 1][:, self.draft_to_target]
+        target_logits = target_out.logits_at(self.draft_to_target)[batch[rows], at[rows] - 1]
         per_slot = distill_loss(logits, target_logits, torch.arange(logits.shape[-1], device=logits.device),
                                 trained[rows], kind=self.cfg.loss)
         hits = self.draft_to_target[logits.argmax(-1)] == target_argmax[rows]

@@ -128,12 +128,12 @@ class EagleDrafter(ChainDrafter):
         predicted = self.unrolled_step(0, layers.shift_left(input_ids, 1), features, keys, values)
         logits = self.lm_head(predicted)
         regression = F.smooth_l1_loss(predicted, layers.shift_left(target_out.last_hidden, 1), reduction="none")
-        distillation = distill_loss(logits, target_out.logits, self.draft_to_target, counted, kind=self.cfg.loss,
+        distillation = distill_loss(logits, target_out.full_logits(), self.draft_to_target, counted, kind=self.cfg.loss,
                                     shift=1)
         regression = regression.mean(-1)
         regression, distillation = masked_mean(regression, counted), masked_mean(distillation, counted)
         loss = self.cfg.regression_weight * regression + self.cfg.distillation_weight * distillation
-        target_argmax = target_out.logits.argmax(-1)
+        target_argmax = target_out.argmax()
         metrics = {"loss_regression": regression.detach(), "loss_distillation": distillation.detach(),
                    "acc_step0": accuracy(logits, target_argmax, loss_mask, 0)}
         if not self.training:

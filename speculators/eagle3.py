@@ -138,10 +138,9 @@ class Eagle3Drafter(ChainDrafter):
         Returns (loss, metrics) with loss and accuracy (draft argmax == target argmax) per step.
         """
         T = input_ids.shape[1]
-        target_logits = target_out.logits
-        target_argmax = target_logits.argmax(-1)
+        target_argmax = target_out.argmax()
         in_draft_vocab = self.t2d[target_argmax]
-        target_draft = target_logits.index_select(-1, self.draft_to_target)  # [B, T, D], read once
+        target_draft = target_out.logits_at(self.draft_to_target)  # [B, T, D], read once
         every_draft_id = torch.arange(target_draft.shape[-1], device=input_ids.device)
         hidden = self.fuse(target_out.aux_hidden)
         keys, values, loss, metrics = [[] for _ in self.layers], [[] for _ in self.layers], 0.0, {}

@@ -145,8 +145,8 @@ class MedusaDrafter(HeadsDrafter):
         """Decayed sum over heads of the soft cross-entropy (or KL) to the target's distribution
         (module doc). Metrics per head k = j+1: loss_step{j} and acc_step{j}, the agreement of its
         argmax with the target's argmax for token t+k+1, over the positions that count."""
-        hidden, target_logits = target_out.last_hidden, target_out.logits
-        target_argmax = target_logits.argmax(-1)
+        hidden, target_logits = target_out.last_hidden, target_out.full_logits()
+        target_argmax = target_out.argmax()
         loss, metrics = 0.0, {}
         for j, head in enumerate(self.heads):
             k = j + 1

@@ -200,10 +200,10 @@ class PEagleDrafter(MaskEmbedding, ParallelDrafter):
         depth, row, anchor = keep.nonzero(as_tuple=True)
         learned = (anchor + 1 + depth).clamp(max=T - 1)  # the target position whose distribution row learns
         counted = (anchor + 2 + depth < T) & loss_mask[row, (learned + 1).clamp(max=T - 1)].bool()
-        target_argmax = target_out.logits.argmax(-1)[row, learned]
+        target_argmax = target_out.argmax()[row, learned]
         trained = counted & self.t2d[target_argmax]
         # Restricted to the draft vocab before gathering rows, so no [P, V] copy is made.
-        target_logits = target_out.logits[..., self.draft_to_target][row, learned]
+        target_logits = target_out.logits_at(self.draft_to_target)[row, learned]
         per_position = distill_loss(logits, target_logits, torch.arange(logits.shape[-1], device=logits.device), trained,
                                     kind=self.cfg.loss)
         hits = (self.draft_to_target[logits.argmax(-1)] == target_argmax) & counted

@@ -16,6 +16,7 @@ layers: training from a hidden-state cache (train/hidden_cache.py) needs no more
 import hashlib
 import inspect
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +113,26 @@ class TargetShape:
 class TargetOutput:
     aux_hidden: list[torch.Tensor]  # hidden_states[k] for k in layer_ids, each [B, T, H]
     last_hidden: torch.Tensor  # hidden_states[L]: after the final norm, [B, T, H]
-    logits: torch.Tensor | None  # [B, T, V]; None when not asked for
+    logits: torch.Tensor | None  # [B, T, V]; None when not asked for, or when `head` computes them on demand
+    greedy: torch.Tensor | None = None  # [B, T] the argmax of the logits, when known without them (a cache stores it)
+    head: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None  # (hidden, vocab ids) -> logits
+
+    def argmax(self) -> torch.Tensor:
+        """The target's greedy next token at every position, [B, T]."""
+        return self.greedy if self.greedy is not None else self.full_logits().argmax(-1)
+
+    def logits_at(self, ids: torch.Tensor) -> torch.Tensor:
+        """The logits of vocab ids `ids` [n] at every position, [B, T, n]. From a hidden-state cache only those
+        rows of lm_head are computed (a draft vocab of 8,192 of SmolLM2's 49,152: a sixth of the product)."""
+        if self.logits is not None:
+            return self.logits.index_select(-1, ids)
+        return self.head(self.last_hidden, ids)
+
+    def full_logits(self) -> torch.Tensor:
+        """[B, T, V], computed once from the last hidden state when a cache stood in for them."""
+        if self.logits is None:
+            self.logits = self.head(self.last_hidden, None)
+        return self.logits
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -150,6 +170,7 @@ class FrozenTarget:
         # transformers 5.24 renamed forward's past_key_values to cache (the old name warns; removed in 5.40).
         self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.can_skip_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._head_rows = None  # (vocab ids, their lm_head rows, their bias): head_logits' last restriction
 
     @classmethod
     def load(cls, cfg: TargetConfig, quant: QuantConfig = QuantConfig(), layers: bool = True) -> "FrozenTarget":
@@ -215,11 +236,30 @@ class FrozenTarget:
         return self._fingerprint
 
     @torch.no_grad()
-    def from_hidden(self, aux_hidden: list[torch.Tensor], last_hidden: torch.Tensor) -> TargetOutput:
-        """What __call__ returns, from hidden states computed earlier: logits are lm_head(hidden_states[L])."""
-        logits = self.model.get_output_embeddings()(last_hidden.to(self.model.dtype))
+    def from_hidden(self, aux_hidden: list[torch.Tensor], last_hidden: torch.Tensor,
+                    greedy: torch.Tensor | None = None) -> TargetOutput:
+        """What __call__ returns, from hidden states computed earlier: logits are lm_head(hidden_states[L]). Given
+        the target's argmax (`greedy`, [B, T]), they are computed on demand, only for the vocab ids asked for."""
+        if greedy is None:
+            logits = self.head_logits(last_hidden)
         return TargetOutput(aux_hidden=[h.float() for h in aux_hidden], last_hidden=last_hidden.float(),
-                            logits=logits.float())
+                            logits=None if greedy is not None else logits, greedy=greedy, head=self.head_logits)
+
+    @torch.no_grad()
+    def head_logits(self, hidden: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """lm_head(hidden) in float32, [..., V]; given vocab ids [n], only theirs, [..., n], from those rows of
+        lm_head (dequantized once per `ids` tensor and kept: a drafter passes the same one every step)."""
+        head = self.model.get_output_embeddings()
+        if ids is None:
+            return head(hidden.to(self.model.dtype)).float()
+        if self._head_rows is None or self._head_rows[0] is not ids:
+            with align_module_device(head):
+                rows = head.rows(ids) if hasattr(head, "rows") else head.weight[ids]
+                bias = None if getattr(head, "bias", None) is None else head.bias[ids].float()
+            self._head_rows = (ids, rows.float().to(hidden.device), bias)
+        _, rows, bias = self._head_rows
+        out = hidden.float() @ rows.T
+        return out if bias is None else out + bias
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -84,6 +84,22 @@ def test_training_from_the_cache_gives_the_online_loss(llama_dir, llama_target, 
             assert abs(loss_cached - loss_online) <= TOLERANCE[dtype] * loss_online
 
 
+def test_the_cache_stores_the_argmax_and_lm_head_computes_only_the_logits_asked_for(llama_dir, llama_target, data_file,
+                                                                                   caches):
+    recipe = recipe_for(llama_dir, data_file, caches["float32"], "data.cache_dtype=float32")
+    head, data = cached_data(recipe)
+    row, online = data.hidden.row("train", 1), llama_target(data.train_rows[1:2])
+    assert torch.equal(row["greedy"], online.logits.argmax(-1)[0])
+    aux, last = list(row["aux_hidden"][None].unbind(1)), row["last_hidden"][None]
+    out = head.from_hidden(aux, last, row["greedy"][None])
+    assert out.logits is None and torch.equal(out.argmax(), online.logits.argmax(-1))
+    draft_vocab = torch.tensor([7, 0, 33, 5])
+    assert torch.allclose(out.logits_at(draft_vocab), online.logits[..., draft_vocab], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(out.full_logits(), online.logits, rtol=1e-5, atol=1e-5)
+    older = head.from_hidden(aux, last)  # a cache built before the argmax was stored: lm_head over the whole vocab
+    assert torch.equal(older.argmax(), out.argmax()) and torch.equal(older.logits_at(draft_vocab), older.logits[..., draft_vocab])
+
+
 @pytest.mark.parametrize("dtype, itemsize", [("float32", 4), ("bfloat16", 2), ("float8_e4m3", 1)])
 def test_bytes_per_token_is_what_the_shards_hold(caches, dtype, itemsize):
     index = json.loads((caches[dtype] / "index.json").read_text())
@@ -93,7 +109,7 @@ def test_bytes_per_token_is_what_the_shards_hold(caches, dtype, itemsize):
     size = sum((caches[dtype] / f).stat().st_size for f in files)
     tokens = sum(index["rows"].values()) * SEQ_LEN
     assert index["bytes"] == size and index["bytes_per_token"] == size / tokens
-    payload = (len(LAYER_IDS) + 1) * (32 * itemsize + (4 if dtype == "float8_e4m3" else 0))  # + the fp8 scale
+    payload = (len(LAYER_IDS) + 1) * (32 * itemsize + (4 if dtype == "float8_e4m3" else 0)) + 4  # fp8 scale, int32 argmax
     assert payload <= index["bytes_per_token"] < payload * 1.1  # the rest: safetensors headers
     assert index["layer_ids"] == LAYER_IDS and index["seq_len"] == SEQ_LEN and index["dtype"] == dtype
 

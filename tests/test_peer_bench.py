@@ -80,7 +80,8 @@ def test_ours_command_trains_from_scratch_with_the_recipe_written_out(tmp_path):
 def test_peer_command_runs_the_harness_in_place(tmp_path):
     c = cfg(tmp_path, seed=3)
     args, env = peer.peer_command(c, "peer_matched", 480, tmp_path / "f")
-    assert args == ["bash", str(Path(c.harness).resolve()), "384", "480", str(tmp_path / "f" / "export")]
+    assert args == ["bash", str(Path(c.harness).resolve()), "384", "480", str(tmp_path / "f" / "export"),
+                    str(tmp_path / "f" / "work")]
     assert env == {"PEER_DIR": c.peer_dir, "SEED": "3", "TTT": "5", "EXTRA": ""}
     c.peer_defaults_env = {"TTT": "3"}
     _, env = peer.peer_command(c, "peer_defaults", 480, tmp_path / "f")

@@ -7,9 +7,10 @@ drafter's loss reads from it, and train many drafters from that without the targ
 Both commands take the same config: the cache holds the rows of the train and validation splits
 as the data module builds them. Per row of seq_len tokens a shard stores `hidden`
 [rows, len(layer_ids) + 1, seq_len, H]: hidden_states[k] for each layer id, then hidden_states[L]
-(after the final norm). Logits are neither computed nor stored (a fifth of SmolLM2-135M's forward): they
+(after the final norm), and `greedy` [rows, seq_len], the target's argmax (int32). Logits are not stored: they
 are lm_head(hidden_states[L]), which the target's lm_head recomputes in training (V/H times fewer bytes: 31x for Llama 3 8B; a
-check on the first batch refuses a target whose logits are more than that, e.g. soft-capped).
+check on the first batch refuses a target whose logits are more than that, e.g. soft-capped), and with the argmax
+stored only for the vocab ids a drafter reads (its draft vocab: on SmolLM2 a sixth of lm_head's product a step).
 float8_e4m3 scales each token's vector of each layer by its absmax / 448 (`scale`, float32).
 
 A build writes into <cache_dir>.partial and records each finished shard (about 1 GiB), with a
@@ -152,7 +153,7 @@ class Progress:
         for source, record in ((previous, replaced), (folder, stopped)):
             if same_settings(record, built_from):
                 for shard in (shard for shards in record["shards"].values() for shard in shards):
-                    if "rows_fingerprint" in shard:  # caches built before fingerprints are rebuilt
+                    if "rows_fingerprint" in shard and shard.get("greedy"):  # caches built before these are rebuilt
                         self.reusable[shard["rows_fingerprint"]] = source / shard["file"]
         self.shards: dict[str, list[dict]] = {}
 
@@ -171,7 +172,7 @@ class Progress:
         return True
 
     def add(self, split: str, name: str, rows: int, fingerprint: str) -> None:
-        self.shards.setdefault(split, []).append({"file": name, "rows": rows, "rows_fingerprint": fingerprint})
+        self.shards.setdefault(split, []).append({"file": name, "rows": rows, "rows_fingerprint": fingerprint, "greedy": True})
         self.path.write_text(json.dumps({**self.built_from, "shards": self.shards}, indent=2))
 
     def remove_unused(self) -> None:
@@ -184,18 +185,27 @@ class Progress:
 
 def write_shard(target: FrozenTarget, rows: torch.Tensor, cfg, progress: Progress, shard: tuple, bar,
                 check: bool) -> None:
-    """Run the target over `rows` batch by batch and save their hidden states as one shard."""
-    parts = []
+    """Run the target over `rows` batch by batch and save their hidden states and argmax as one shard."""
+    parts, greedy = [], []
     for batch in rows.split(cfg.batch_size):
         out = target(batch.to(target.device), logits=check)
         if check:
             check_logits_recomputable(target, out)
             check = False
         parts.append(torch.stack([*out.aux_hidden, out.last_hidden], 1).cpu())
+        greedy.append(greedy_tokens(target, out.last_hidden).cpu())
         bar.update(len(batch))
     split, name, fingerprint = shard
-    save_file(encode(torch.cat(parts), cfg.cache_dtype), progress.folder / name)
+    save_file(encode(torch.cat(parts), cfg.cache_dtype) | {"greedy": torch.cat(greedy)}, progress.folder / name)
     progress.add(split, name, len(rows), fingerprint)
+
+
+def greedy_tokens(target: FrozenTarget, last_hidden: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """The target's argmax [B, T] (int32) from its last hidden states, `chunk` positions at a time: [chunk, V]
+    logits at most (a batch of Llama 3's at once would be gigabytes)."""
+    flat = last_hidden.flatten(0, 1)
+    tokens = torch.cat([target.head_logits(part).argmax(-1) for part in flat.split(chunk)])
+    return tokens.view(last_hidden.shape[:2]).to(torch.int32)
 
 
 def check_logits_recomputable(target: FrozenTarget, out) -> None:
@@ -215,13 +225,16 @@ class HiddenCache:
                        for split, shards in index["shards"].items()}
 
     def row(self, split: str, i: int) -> dict[str, torch.Tensor]:
-        """{"aux_hidden": [len(layer_ids), T, H], "last_hidden": [T, H]} in float32, of row i of `split`."""
+        """{"aux_hidden": [len(layer_ids), T, H], "last_hidden": [T, H]} in float32 and "greedy" [T] (int64; not in
+        caches built before it was stored), of row i of `split`."""
         for shard, rows in self.shards[split]:
             if i < rows:
                 break
             i -= rows
-        hidden = decode({name: shard.get_slice(name)[i : i + 1] for name in shard.keys()})[0]
-        return {"aux_hidden": hidden[:-1], "last_hidden": hidden[-1]}
+        stored = {name: shard.get_slice(name)[i : i + 1] for name in shard.keys()}
+        greedy = stored.pop("greedy", None)
+        hidden = decode(stored)[0]
+        return {"aux_hidden": hidden[:-1], "last_hidden": hidden[-1]} | ({} if greedy is None else {"greedy": greedy[0].long()})
 
 
 def open_cache(recipe, target: FrozenTarget, data: TextDataModule) -> HiddenCache:

@@ -43,7 +43,7 @@ class DrafterModule(L.LightningModule):
         # The teacher is the target as served: under trainer.precision=bf16-mixed only the drafter is autocast.
         with torch.autocast(self.device.type, enabled=False):
             if "last_hidden" in batch:  # data.hidden_states=cache: the target's lm_head turns them into logits
-                return self.target.from_hidden(list(batch["aux_hidden"].unbind(1)), batch["last_hidden"])
+                return self.target.from_hidden(list(batch["aux_hidden"].unbind(1)), batch["last_hidden"], batch.get("greedy"))
             return self.target(batch["input_ids"])
 
     def step(self, batch: dict, stage: str) -> torch.Tensor:

@@ -74,7 +74,7 @@ class ToyDrafter(ChainDrafter):
         q, k, v = layer.self_attn.qkv(x, cos, sin)
         logits = self.lm_head(layer.finish(x, layers.ttt_attention(q, [k], [v])))  # one step: causal attention
         counted = layers.shift_left(loss_mask, 2).bool()
-        per_position = distill_loss(logits, target_out.logits, self.draft_to_target, counted, kind="soft_ce", shift=1)
-        hits = (self.draft_to_target[logits.argmax(-1)] == layers.shift_left(target_out.logits.argmax(-1), 1)) & counted
+        per_position = distill_loss(logits, target_out.full_logits(), self.draft_to_target, counted, kind="soft_ce", shift=1)
+        hits = (self.draft_to_target[logits.argmax(-1)] == layers.shift_left(target_out.argmax(), 1)) & counted
         accuracy = hits.sum() / counted.sum().clamp(min=1)
         return per_position.sum() / counted.sum().clamp(min=1), {f"acc_step{j}": accuracy for j in range(self.depth)}
