@@ -91,6 +91,17 @@ def test_peer_command_runs_the_harness_in_place(tmp_path):
     assert peer.peer_command(c, "peer_defaults", 480, tmp_path / "f")[1]["EXTRA"].endswith(" " + c.peer_extra)
 
 
+def test_each_peer_run_has_its_own_work_folder_over_the_shared_rows(tmp_path):
+    c = cfg(tmp_path)
+    c.peer_dir = str(tmp_path / "peer")
+    works = {peer.peer_command(c, arm, 120, peer.run_dir(c, arm, 120))[0][-1] for arm in peer.PEER_ARMS}
+    assert len(works) == 2  # the harness wipes WORK/ckpt: two at once must not share one
+    for arm in peer.PEER_ARMS:
+        folder = peer.run_dir(c, arm, 120)
+        peer.link_peer_data(c, folder)
+        assert (folder / "work" / "data").resolve() == tmp_path / "peer" / "work-384" / "data"
+
+
 def test_run_dirs_differ_per_arm_budget_and_threads(tmp_path):
     c = cfg(tmp_path)
     dirs = {peer.run_dir(c, a, s) for a in peer.ARMS for s in (120, 480)}
