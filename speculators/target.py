@@ -15,6 +15,7 @@ layers: training from a hidden-state cache (train/hidden_cache.py) needs no more
 
 import hashlib
 import inspect
+import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -209,7 +210,10 @@ class FrozenTarget:
     @property
     def device(self) -> torch.device:
         """Where input ids go: the embeddings' device; a placed target's hooks move them from the CPU."""
-        return torch.device("cpu") if self.placed else self.embed_tokens.weight.device
+        if self.placed:
+            return torch.device("cpu")
+        # A tensor the embeddings hold, not .weight: a quantized table's .weight dequantizes all of it.
+        return next(itertools.chain(self.embed_tokens.parameters(), self.embed_tokens.buffers())).device
 
     def to(self, device) -> "FrozenTarget":
         if not self.placed:

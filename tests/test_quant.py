@@ -281,6 +281,24 @@ def test_quantized_target_decodes_and_speculation_is_lossless(llama_dir, llama_t
             assert generate(target, drafter, prompt, 24, k=k).tokens == alone
 
 
+def test_decoding_never_dequantizes_a_whole_table(llama_dir, make_drafter, text_batch, monkeypatch):
+    """`.weight` of a quantized module dequantizes all of it (0.15-0.6 s for SmolLM2's embeddings, several decoding
+    steps' time): target.device and every decoding step read the packed tensors instead."""
+    target = load(llama_dir, scheme="int4", group_size=16, quantize_embeddings=True, quantize_lm_head=True)
+    drafter = make_drafter(target)
+    prompt = text_batch[0, :12].tolist()
+    alone = generate(target, None, prompt, 12, k=0).tokens
+
+    def whole_table(module):
+        raise AssertionError(f"decoding dequantized a whole {type(module).__name__}")
+
+    for cls in (QuantizedLinear, QuantizedEmbedding):
+        monkeypatch.setattr(cls, "weight", property(whole_table))
+    assert target.device == torch.device("cpu")
+    assert generate(target, None, prompt, 12, k=0).tokens == alone
+    assert generate(target, drafter, prompt, 12, k=3).tokens == alone
+
+
 def test_train_config_quant_int4_reaches_the_target():
     from test_config import composed, typed
 
