@@ -711,9 +711,8 @@ def bench(cfg: PeerBenchConfig) -> Path:
     cache = build_cache(cfg) if cfg.hidden_cache or "ours_cached" in cfg.arms else None
     rows = rows_of(records, served)
     hidden = {"peer": peer_disk(cfg) | peer_prepare_record(prepared), "ours_cache": cache_record(cache) if cache else {}}
-    peer_hidden_s = hidden["peer"].get("cpu_s") or 0.0
-    extra = {"hidden states": hidden,
-             "time to tau (CPU seconds, 1 thread)": time_to_tau(rows, cfg.tau_goal, {a: peer_hidden_s for a in PEER_ARMS})}
+    one_off = {arm: hidden["peer"].get("cpu_s") or 0.0 for arm in PEER_ARMS} | {"ours_cached": hidden["ours_cache"].get("cpu_s") or 0.0}
+    extra = {"hidden states": hidden, "time to tau (CPU seconds, 1 thread)": time_to_tau(rows, cfg.tau_goal, one_off)}
     if served:
         ours = next((a for a in OUR_ARMS if any(r["arm"] == a for r in rows)), "ours")
         base = {r["steps"]: served["drafters"][r["name"]]["tau_per_prompt"] for r in rows if r["arm"] == ours}
