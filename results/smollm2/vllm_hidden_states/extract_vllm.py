@@ -51,8 +51,8 @@ def main() -> int:
     try:
         import torch
         import vllm
-        from vllm import LLM, SamplingParams
         from safetensors.torch import load_file, save_file
+        from vllm import LLM, SamplingParams
 
         report.update(vllm_version=vllm.__version__, torch_version=torch.__version__)
         args = dict(model=MODEL, tokenizer=MODEL, dtype="float32", max_model_len=2048, max_num_seqs=8, seed=0,
@@ -74,8 +74,7 @@ def main() -> int:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], one, use_tqdm=False)
         paths = [o.kv_transfer_params["hidden_states_path"] for o in outs]
         for i, path in enumerate(paths):  # the connector writes in a thread; its .lock is held until done
-            from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-                load_hidden_states)
+            from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
             data = load_hidden_states(path)
             save_file({k: v.contiguous() for k, v in data.items()}, os.path.join(OUT, f"vllm_{i}.safetensors"))
         seconds = time.perf_counter() - t0
