@@ -25,7 +25,7 @@ class _Done:
         return True
 
     def synchronize(self) -> None:
-        pass
+        """Nothing to wait for: the copy above was synchronous."""
 
 
 class CPUHiddenStatesConnector(_eh.ExampleHiddenStatesConnector):
