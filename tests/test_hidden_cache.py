@@ -13,6 +13,7 @@ import torch
 from conftest import LAYER_IDS
 from test_cli import REPO, run_train
 from test_config import composed, typed
+from transformers import AutoConfig
 
 from common.config import UserError
 from speculators.target import FrozenTarget
@@ -253,3 +254,68 @@ def test_build_then_train_from_the_cache_on_the_command_line(llama_dir, data_fil
     result = run_train(train + ["serve_eval.every_n_steps=0"], cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "run" / "export" / "config.json").is_file() and "acceptance report:" in result.stdout
+
+
+FAKE_VLLM_RUNNER = '''
+"""engines/vllm_runner.py --hidden's contract, kept by transformers: vLLM's aux layer id l is the input of decoder
+layer l, id num_hidden_layers the last layer's output before the final norm."""
+import json, sys
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+mode, engine = sys.argv[1], json.loads(sys.argv[2])
+import os
+with open(os.environ["FAKE_VLLM_ENGINE"], "w") as f:
+    json.dump(engine, f)
+model = AutoModelForCausalLM.from_pretrained(engine["model"], dtype=torch.float32).eval()
+before_norm = {}
+model.model.norm.register_forward_pre_hook(lambda module, args: before_norm.__setitem__("x", args[0]))
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    with torch.no_grad():
+        out = model(torch.tensor(request["rows"]), output_hidden_states=True)
+    last = model.config.num_hidden_layers
+    states = [before_norm["x"] if l == last else out.hidden_states[l] for l in engine["layers"]]
+    save_file({"hidden": torch.stack(states, 2).contiguous()}, request["file"])
+    print(json.dumps({"file": request["file"]}), flush=True)
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """vLLM's venv played by ours: the runner replaced by FAKE_VLLM_RUNNER."""
+    from engines import vllm_venv
+
+    runner = tmp_path / "fake_vllm_runner.py"
+    runner.write_text(FAKE_VLLM_RUNNER)
+    monkeypatch.setattr(vllm_venv, "RUNNER", runner)
+    monkeypatch.setenv("VLLM_CPU_PYTHON", sys.executable)
+    monkeypatch.setenv("FAKE_VLLM_ENGINE", str(tmp_path / "engine.json"))  # what the runner was asked for
+    return vllm_venv
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_cache_built_through_vllm_equals_the_targets(llama_dir, data_file, caches, tmp_path, fake_vllm, monkeypatch,
+                                                       workers):
+    monkeypatch.setattr(fake_vllm, "worker_devices", lambda count, key: [{}] * workers)  # as if `workers` GPUs
+    monkeypatch.setattr(hidden_cache, "SHARD_BYTES", ROWS_PER_SHARD * (len(LAYER_IDS) + 1) * SEQ_LEN * 32 * 4)
+    recipe = recipe_for(llama_dir, data_file, tmp_path / "vllm", "data.cache_dtype=float32", "data.cache_engine=vllm")
+    built, reference = hidden_cache.build(recipe), caches["float32"]
+    engine = json.loads((tmp_path / "engine.json").read_text())
+    assert engine["layers"] == [*LAYER_IDS, AutoConfig.from_pretrained(llama_dir).num_hidden_layers]
+    assert engine["max_model_len"] == SEQ_LEN + 1 and engine["model"] == str(llama_dir)
+    index, expected = json.loads((built / "index.json").read_text()), json.loads((reference / "index.json").read_text())
+    assert index["engine"].startswith("vLLM") and expected["engine"] == "transformers"
+    assert {k: v for k, v in index.items() if k != "engine"} == {k: v for k, v in expected.items() if k != "engine"}
+    for name in sorted(p.name for p in reference.glob("*.safetensors")):
+        ours, theirs = (hidden_cache.safe_open(str(folder / name), "pt") for folder in (built, reference))
+        assert torch.equal(ours.get_tensor("greedy"), theirs.get_tensor("greedy"))
+        torch.testing.assert_close(ours.get_tensor("hidden"), theirs.get_tensor("hidden"), rtol=1e-5, atol=1e-5)
+
+
+def test_vllm_refuses_a_target_it_would_not_serve_as_trained(llama_dir, data_file, tmp_path, fake_vllm):
+    recipe = recipe_for(llama_dir, data_file, tmp_path / "c", "data.cache_engine=vllm", "quant=int8")
+    with pytest.raises(UserError, match="data.cache_engine=vllm runs the target as stored"):
+        hidden_cache.build(recipe)
+    assert not (tmp_path / "c").exists()

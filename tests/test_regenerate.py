@@ -18,8 +18,9 @@ from test_config import CONF, composed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import UserError, to_dataclass
+from engines.vllm_venv import worker_devices
 from train.data import DataConfig, TextDataModule, load_examples, read_examples
-from train.regenerate import RegenerateConfig, regenerate, worker_devices
+from train.regenerate import RegenerateConfig, regenerate
 
 MAX_NEW = 6
 CONVERSATIONS = 40  # every second one has two replies; every third a system turn
@@ -274,12 +275,12 @@ def test_sigterm_then_restart_loses_and_repeats_nothing(chat_target_dir, chats, 
 
 def test_worker_devices_one_gpu_each(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
-    assert worker_devices(None) == [{"CUDA_VISIBLE_DEVICES": "2"}, {"CUDA_VISIBLE_DEVICES": "5"}]
-    assert worker_devices(1) == [{"CUDA_VISIBLE_DEVICES": "2"}]
+    assert worker_devices(None, "vllm_workers") == [{"CUDA_VISIBLE_DEVICES": "2"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    assert worker_devices(1, "vllm_workers") == [{"CUDA_VISIBLE_DEVICES": "2"}]
     with pytest.raises(UserError, match="vllm_workers=3 is not valid: must be at most the 2 visible GPUs"):
-        worker_devices(3)
+        worker_devices(3, "vllm_workers")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert worker_devices(None) == [{}]  # no GPU: one worker on the CPU
+    assert worker_devices(None, "vllm_workers") == [{}]  # no GPU: one worker on the CPU
 
 
 def test_a_closed_shard_is_never_appended_to(tmp_path):

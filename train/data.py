@@ -63,6 +63,7 @@ CHAT_FIELDS = {"sharegpt": ("conversations", "from", "value"), "messages": ("mes
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 LISTED_PROBLEMS = 5
 RESPLIT_SALT = "resplit"  # split_by_hash: the second split of a set drawn from one split
+CACHE_ENGINES = ("transformers", "vllm")
 CACHE_DTYPES = ("bfloat16", "float8_e4m3", "float32")  # float8_e4m3 with a float32 scale per token and layer
 
 
@@ -84,6 +85,8 @@ class DataConfig:
     hidden_states: str = "online"  # online: the target computes them each batch | cache: read from data.cache_dir
     cache_dir: str | None = None  # built by `python -m train.hidden_cache` with the same config
     cache_dtype: str = "bfloat16"  # how the cache stores hidden states: bfloat16 | float8_e4m3 | float32
+    cache_engine: str = "transformers"  # what computes them for `python -m train.hidden_cache`: transformers (the target
+    # as loaded) | vllm (vLLM's extract_hidden_states, one worker per GPU, in its venv: $VLLM_CPU_PYTHON)
 
     def __post_init__(self):
         one_of("data.source", self.source, ("stdlib", "file", "hub"))
@@ -103,6 +106,7 @@ class DataConfig:
         require((self.cache_dir is None) == (self.hidden_states == "online"), "data.cache_dir", self.cache_dir,
                 "set for data.hidden_states=cache, and unset for online")
         one_of("data.cache_dtype", self.cache_dtype, CACHE_DTYPES)
+        one_of("data.cache_engine", self.cache_engine, CACHE_ENGINES)
         at_least(8, data__seq_len=self.seq_len)
         at_least(1, data__batch_size=self.batch_size, data__max_val_sequences=self.max_val_sequences)
         require(self.max_examples is None or self.source != "stdlib", "data.max_examples", self.max_examples,

@@ -13,6 +13,12 @@ check on the first batch refuses a target whose logits are more than that, e.g. 
 stored only for the vocab ids a drafter reads (its draft vocab: on SmolLM2 a sixth of lm_head's product a step).
 float8_e4m3 scales each token's vector of each layer by its absmax / 448 (`scale`, float32).
 
+data.cache_engine=vllm computes the states with vLLM instead (engines/vllm_runner.py --hidden in vLLM's venv, one
+worker per visible GPU, batches dealt between them): its extract_hidden_states method, as speculators' data
+generation uses it; our process keeps only the target's embeddings, final norm and lm_head (the norm finishes
+vLLM's last-layer output, lm_head gives the argmax) and writes the same shards. vLLM runs the target's Hugging
+Face folder (a GGUF target's converted one), so the target must be served as stored: quant.scheme none or gguf.
+
 A build writes into <cache_dir>.partial and records each finished shard (about 1 GiB), with a
 fingerprint of the token rows it holds, in its progress.json. A shard whose rows an earlier build
 already holds is taken from it: stopped, the same command resumes where it was; rebuilt with
@@ -27,6 +33,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -38,6 +45,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from common.config import UserError, exit_on_user_error, run_cli, to_dataclass
+from engines import vllm_venv
+from speculators import gguf_file
 from speculators.export import check_writable, move_into_place
 from speculators.target import FrozenTarget
 from train.data import TextDataModule, load_examples
@@ -79,7 +88,9 @@ def build(recipe, device: str = "cpu") -> Path:
     shards whose rows a stopped build or the cache it replaces already holds."""
     out = Path(recipe.data.cache_dir)
     check_writable(out, recipe.overwrite)
-    target = FrozenTarget.load(recipe.target, recipe.quant).to(device)
+    vllm = recipe.data.cache_engine == "vllm"
+    python = vllm_venv.venv_python(None, "or build with data.cache_engine=transformers") if vllm else None
+    target = FrozenTarget.load(recipe.target, recipe.quant, layers=not vllm).to(device)
     data = TextDataModule(recipe.data, load_examples(recipe.data), target.tokenizer, recipe.seed)
     data.setup("fit")
     built_from = identity(recipe, target, data)
@@ -94,18 +105,20 @@ def build(recipe, device: str = "cpu") -> Path:
         sources = " and ".join(sorted({str(folder) for _, folder in taken}))
         print(f"hidden-state cache: {sum(n for n, _ in taken)} of {total} rows already built ({sources}), "
               "computing the rest")
-    checked = False
-    with tqdm(total=total, unit="row", desc="hidden states") as bar:
-        for split, name, rows, fingerprint in plan:
-            if progress.take(split, name, fingerprint, len(rows)):
-                bar.update(len(rows))
-            else:
-                write_shard(target, rows, recipe.data, progress, (split, name, fingerprint), bar, check=not checked)
-                checked = True
+    states = VLLMStates(recipe, target, python) if vllm else TargetStates(target)
+    try:
+        with tqdm(total=total, unit="row", desc="hidden states") as bar:
+            for split, name, rows, fingerprint in plan:
+                if progress.take(split, name, fingerprint, len(rows)):
+                    bar.update(len(rows))
+                else:
+                    write_shard(states, target, rows, recipe.data, progress, (split, name, fingerprint), bar)
+    finally:
+        states.close()
     progress.remove_unused()
     tokens = total * recipe.data.seq_len
     size = sum((partial / shard["file"]).stat().st_size for split in progress.shards.values() for shard in split)
-    index = {**built_from, "target_dtype": recipe.target.dtype, "hidden_size": target.hidden_size,
+    index = {**built_from, "engine": states.engine, "target_dtype": recipe.target.dtype, "hidden_size": target.hidden_size,
              "rows": {split: len(rows) for split, rows in splits.items()},
              "bytes": size, "bytes_per_token": size / tokens, "shards": progress.shards}
     (partial / "index.json").write_text(json.dumps(index, indent=2))
@@ -183,21 +196,92 @@ class Progress:
                 file.unlink()
 
 
-def write_shard(target: FrozenTarget, rows: torch.Tensor, cfg, progress: Progress, shard: tuple, bar,
-                check: bool) -> None:
-    """Run the target over `rows` batch by batch and save their hidden states and argmax as one shard."""
+def write_shard(states, target: FrozenTarget, rows: torch.Tensor, cfg, progress: Progress, shard: tuple, bar) -> None:
+    """Compute `rows`' hidden states batch by batch and save them and the target's argmax as one shard."""
     parts, greedy = [], []
-    for batch in rows.split(cfg.batch_size):
-        out = target(batch.to(target.device), logits=check)
-        if check:
-            check_logits_recomputable(target, out)
-            check = False
-        parts.append(torch.stack([*out.aux_hidden, out.last_hidden], 1).cpu())
-        greedy.append(greedy_tokens(target, out.last_hidden).cpu())
-        bar.update(len(batch))
+    for aux_hidden, last_hidden in states(rows, cfg.batch_size):
+        parts.append(torch.stack([*aux_hidden, last_hidden], 1).cpu())
+        greedy.append(greedy_tokens(target, last_hidden).cpu())
+        bar.update(len(last_hidden))
     split, name, fingerprint = shard
     save_file(encode(torch.cat(parts), cfg.cache_dtype) | {"greedy": torch.cat(greedy)}, progress.folder / name)
     progress.add(split, name, len(rows), fingerprint)
+
+
+class TargetStates:
+    """The target as loaded computes each batch; on the build's first, also its logits, checked to be lm_head(its
+    last hidden state), which the cache relies on."""
+
+    engine = "transformers"
+
+    def __init__(self, target: FrozenTarget):
+        self.target, self.checked = target, False
+
+    def __call__(self, rows: torch.Tensor, batch_size: int):
+        """(aux_hidden, last_hidden) of each batch of `rows`, in order."""
+        for batch in rows.split(batch_size):
+            out = self.target(batch.to(self.target.device), logits=not self.checked)
+            if not self.checked:
+                check_logits_recomputable(self.target, out)
+                self.checked = True
+            yield out.aux_hidden, out.last_hidden
+
+    def close(self) -> None:
+        pass
+
+
+class VLLMStates:
+    """vLLM's workers (engines/vllm_runner.py --hidden) compute each batch: one per visible GPU, batches dealt
+    between them in turn; each saves a batch's states to a file in a scratch folder that this reads back."""
+
+    def __init__(self, recipe, target: FrozenTarget, python):
+        check_vllm_serves_it(recipe, target)
+        cfg = recipe.target
+        self.target, self.scratch = target, Path(tempfile.mkdtemp(prefix="vllm-hidden-states-"))
+        folder = gguf_file.converted_folder(cfg.gguf_file) if cfg.gguf_file else cfg.name_or_path
+        engine = {"model": str(folder), "dtype": cfg.dtype, "max_model_len": recipe.data.seq_len + 1,
+                  "max_num_seqs": recipe.data.batch_size, "seed": recipe.seed, "folder": str(self.scratch / "requests"),
+                  "layers": [*target.layer_ids, target.num_layers]}  # the last: its output before the final norm
+        threads = recipe.trainer.num_threads or torch.get_num_threads()
+        self.workers = [vllm_venv.Worker(python, "--hidden", engine, devices, threads)
+                        for devices in vllm_venv.worker_devices(None, "data.cache_engine")]
+        try:
+            for worker in self.workers:  # started together, so they load side by side
+                worker.receive()  # {"ready": true}
+        except UserError:
+            self.close()
+            raise
+        self.engine = f"vLLM {json.dumps(engine['layers'])} x {len(self.workers)} worker(s)"
+
+    def __call__(self, rows: torch.Tensor, batch_size: int):
+        batches = list(rows.split(batch_size))
+        for start in range(0, len(batches), len(self.workers)):
+            turn = list(zip(self.workers, batches[start : start + len(self.workers)]))
+            for number, (worker, batch) in enumerate(turn):
+                worker.send({"rows": batch.tolist(), "file": str(self.scratch / f"batch-{number}.safetensors")})
+            for worker, _ in turn:
+                path = Path(worker.receive()["file"])
+                with safe_open(str(path), "pt") as f:
+                    hidden = f.get_tensor("hidden").float()  # [rows, T, len(layer ids) + 1, H]
+                path.unlink()
+                yield list(hidden[:, :, :-1].unbind(2)), self.target.final_norm(hidden[:, :, -1])
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def check_vllm_serves_it(recipe, target: FrozenTarget) -> None:
+    """vLLM runs the target's weights as stored, and its hidden states stand in for ours only if that is the
+    target we train against, whose logits are lm_head(hidden_states[L])."""
+    quant = recipe.quant
+    if quant.scheme not in ("none", "gguf") or quant.activations != "exact":
+        raise UserError(f"data.cache_engine=vllm runs the target as stored, not as quant.scheme={quant.scheme} "
+                        f"(activations {quant.activations}) serves it; use data.cache_engine=transformers")
+    if getattr(target.config, "final_logit_softcapping", None):
+        raise UserError(f"target {target.name_or_path}: its logits are soft-capped, not lm_head(final hidden state), "
+                        "which the cache relies on; train it with data.hidden_states=online")
 
 
 def greedy_tokens(target: FrozenTarget, last_hidden: torch.Tensor, chunk: int = 512) -> torch.Tensor:

@@ -31,7 +31,6 @@ import gzip
 import json
 import os
 import subprocess
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -389,7 +388,8 @@ class VLLMGenerator:
         engine = {"model": str(folder), "dtype": cfg.target.dtype, "max_num_seqs": cfg.batch_size,
                   "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens, "temperature": cfg.temperature,
                   "max_tokens": cfg.max_new_tokens, "seed": cfg.seed}
-        self.workers = [VLLMWorker(python, engine, devices, cfg.threads) for devices in worker_devices(cfg.vllm_workers)]
+        self.workers = [vllm_venv.Worker(python, "--generate", engine, devices, cfg.threads)
+                        for devices in vllm_venv.worker_devices(cfg.vllm_workers, "vllm_workers")]
         try:
             for worker in self.workers:  # started together, so they load side by side
                 worker.receive()  # {"ready": true}
@@ -401,7 +401,8 @@ class VLLMGenerator:
         while pending := [(chat, ids) for chat in chats if (ids := chat.next_prompt()) is not None]:
             shares = [pending[i :: len(self.workers)] for i in range(len(self.workers))]  # dealt: lengths mix
             for worker, share in zip(self.workers, shares):
-                worker.send([ids for _, ids in share], [self.cfg.seed + chat.seed + chat.done for chat, _ in share])
+                worker.send({"prompts": [ids for _, ids in share],
+                             "seeds": [self.cfg.seed + chat.seed + chat.done for chat, _ in share]})
             for worker, share in zip(self.workers, shares):
                 answer = worker.receive()
                 self.tally.count([len(tokens) for tokens in answer["tokens"]], answer["stopped"])
@@ -411,51 +412,6 @@ class VLLMGenerator:
     def close(self) -> None:
         for worker in self.workers:
             worker.close()
-
-
-class VLLMWorker:
-    """One engines/vllm_runner.py --generate process: JSON lines in and out. Its log (what vLLM says) is kept
-    in /tmp unless it ends normally."""
-
-    def __init__(self, python: Path, engine: dict, devices: dict, threads: int):
-        self.log = tempfile.NamedTemporaryFile("w", prefix="vllm-worker-", suffix=".log", delete=False)
-        self.log_path = Path(self.log.name)
-        env = vllm_venv.runner_env(python, threads) | devices
-        self.process = subprocess.Popen([str(python), str(vllm_venv.RUNNER), "--generate", json.dumps(engine)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                        env=env, preexec_fn=llamacpp.die_with_parent)
-
-    def send(self, prompts: list[list[int]], seeds: list[int]) -> None:
-        self.process.stdin.write(json.dumps({"prompts": prompts, "seeds": seeds}) + "\n")
-        self.process.stdin.flush()
-
-    def receive(self) -> dict:
-        line = self.process.stdout.readline()
-        answer = json.loads(line) if line else {"error": "it exited: " + " | ".join(
-            self.log_path.read_text(errors="replace").strip().splitlines()[-3:])}
-        if "error" in answer:
-            raise UserError(f"vLLM worker failed: {answer['error']} (log: {self.log_path})")
-        return answer
-
-    def close(self) -> None:
-        with contextlib.suppress(BrokenPipeError):  # a worker that died has no reader left
-            self.process.stdin.close()  # EOF: the worker returns
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log.close()
-        if self.process.returncode == 0:
-            self.log_path.unlink()
-
-
-def worker_devices(workers: int | None) -> list[dict]:
-    """Each worker's CUDA_VISIBLE_DEVICES: one GPU each, of those visible; without GPUs, one worker on the CPU."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = [d for d in visible.split(",") if d] if visible is not None else [str(i) for i in range(torch.cuda.device_count())]
-    count = workers or max(1, len(gpus))
-    require(not gpus or count <= len(gpus), "vllm_workers", workers, f"at most the {len(gpus)} visible GPUs")
-    return [{"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus else {} for i in range(count)]
 
 
 def make_generator(cfg: RegenerateConfig, target: FrozenTarget, tally: Tally, python: Path | None):
