@@ -92,3 +92,17 @@ def worker_devices(workers: int | None, key: str) -> list[dict]:
     count = workers or max(1, len(gpus))
     require(not gpus or count <= len(gpus), key, workers, f"at most the {len(gpus)} visible GPUs")
     return [{"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus else {} for i in range(count)]
+
+
+def start_workers(python: Path, mode: str, engine: dict, threads: int, workers: int | None, key: str) -> list[Worker]:
+    """One Worker per device of worker_devices, started together so they load side by side, each ready; if one
+    fails, all are closed and its one-line error raised."""
+    started = [Worker(python, mode, engine, devices, threads) for devices in worker_devices(workers, key)]
+    try:
+        for worker in started:
+            worker.receive()  # {"ready": true}
+    except UserError:
+        for worker in started:
+            worker.close()
+        raise
+    return started

@@ -243,13 +243,10 @@ class VLLMStates:
                   "max_num_seqs": recipe.data.batch_size, "seed": recipe.seed, "folder": str(self.scratch / "requests"),
                   "layers": [*target.layer_ids, target.num_layers]}  # the last: its output before the final norm
         threads = recipe.trainer.num_threads or torch.get_num_threads()
-        self.workers = [vllm_venv.Worker(python, "--hidden", engine, devices, threads)
-                        for devices in vllm_venv.worker_devices(None, "data.cache_engine")]
         try:
-            for worker in self.workers:  # started together, so they load side by side
-                worker.receive()  # {"ready": true}
+            self.workers = vllm_venv.start_workers(python, "--hidden", engine, threads, None, "data.cache_engine")
         except UserError:
-            self.close()
+            shutil.rmtree(self.scratch, ignore_errors=True)
             raise
         self.engine = f"vLLM {json.dumps(engine['layers'])} x {len(self.workers)} worker(s)"
 

@@ -388,14 +388,7 @@ class VLLMGenerator:
         engine = {"model": str(folder), "dtype": cfg.target.dtype, "max_num_seqs": cfg.batch_size,
                   "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens, "temperature": cfg.temperature,
                   "max_tokens": cfg.max_new_tokens, "seed": cfg.seed}
-        self.workers = [vllm_venv.Worker(python, "--generate", engine, devices, cfg.threads)
-                        for devices in vllm_venv.worker_devices(cfg.vllm_workers, "vllm_workers")]
-        try:
-            for worker in self.workers:  # started together, so they load side by side
-                worker.receive()  # {"ready": true}
-        except UserError:
-            self.close()
-            raise
+        self.workers = vllm_venv.start_workers(python, "--generate", engine, cfg.threads, cfg.vllm_workers, "vllm_workers")
 
     def regenerate(self, chats: list[Chat]) -> None:
         while pending := [(chat, ids) for chat in chats if (ids := chat.next_prompt()) is not None]:

@@ -30,7 +30,7 @@ MODEL = os.environ.get("TARGET", "/tmp/peer-speculators/smollm2-hf")
 OUT = os.path.dirname(os.path.abspath(__file__))
 LAYERS = [2, 15, 27, 30]  # the project's [2, 15, 27] + num_hidden_layers (launch_vllm.py --include-last-layer)
 # ExampleHiddenStatesConnector: vLLM's own, as speculators' file backend names it; CPUHiddenStatesConnector: the
-# subclass in cpu_hidden_states_connector.py without its pinned-memory/CUDA-stream copy.
+# subclass without its pinned-memory/CUDA-stream copy, first written here and now engines/vllm_hidden_connector.py.
 CONNECTOR = sys.argv[1] if len(sys.argv) > 1 else "ExampleHiddenStatesConnector"
 PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves.",
            "Explain what a hash table is in two sentences.", "Give me three tips for sleeping better.",
@@ -63,7 +63,8 @@ def main() -> int:
                     kv_transfer_config={"kv_connector": CONNECTOR, "kv_role": "kv_producer",
                                         "kv_connector_extra_config": {"shared_storage_path": raw}})
         if CONNECTOR != "ExampleHiddenStatesConnector":  # ours, out of tree (a module in this folder)
-            args["kv_transfer_config"]["kv_connector_module_path"] = "cpu_hidden_states_connector"
+            sys.path.insert(0, os.path.join(OUT, "..", "..", "..", "engines"))
+            args["kv_transfer_config"]["kv_connector_module_path"] = "vllm_hidden_connector"
         report["engine_args"] = args
         t0 = time.perf_counter()
         llm = LLM(**args)
