@@ -496,11 +496,10 @@ def serve(cfg: PeerBenchConfig, drafters: dict[str, Path]) -> dict:
         d, _ = export.load(drafters[name])
         export.share_target_embedding(d, target)
         loaded[name] = d.eval()
-    sets = [("mtbench", evalsets.EvalConfig("mtbench", num_prompts=cfg.mtbench_conversations, turns=2)),
-            ("sharegpt", evalsets.EvalConfig("sharegpt", num_prompts=cfg.sharegpt_conversations, turns=1))]
     prompts = []
-    for set_name, ecfg in sets:
-        if ecfg.num_prompts:
+    for set_name, count, turns in (("mtbench", cfg.mtbench_conversations, 2), ("sharegpt", cfg.sharegpt_conversations, 1)):
+        if count:  # 0: the set left out
+            ecfg = evalsets.EvalConfig(set_name, num_prompts=count, turns=turns)
             prompts += [(set_name, p) for p in evalsets.prompts(ecfg, target, cfg.max_new_tokens)]
     ways = {"target_only": lambda ids: generate(target, None, ids, cfg.max_new_tokens, 0)}
     for name in names:
