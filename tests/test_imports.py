@@ -83,8 +83,11 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
+VLLM_VENV_ONLY = {"engines.vllm_hidden_connector"}  # subclasses vLLM's connector: importable in vLLM's venv only
+
+
 def test_no_module_registers_a_config_at_import_time():
-    names = sorted(modules())
+    names = sorted(set(modules()) - VLLM_VENV_ONLY)
     code = ("from hydra.core.config_store import ConfigStore\n"
             "import importlib, sys\n"
             "before = str(ConfigStore.instance().repo)\n"
