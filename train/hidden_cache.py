@@ -227,7 +227,7 @@ class TargetStates:
             yield out.aux_hidden, out.last_hidden
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the target belongs to the build, which keeps using its lm_head."""
 
 
 class VLLMStates:
