@@ -188,6 +188,16 @@ def test_table_plot_and_time_to_tau_from_synthetic_results(tmp_path):
     assert (tmp_path / "peer.png").stat().st_size > 1000
 
 
+def test_speed_ratios_per_cpu_and_wall_second_at_each_budget():
+    rows = synthetic_rows()
+    per_cpu = peer.speed_ratios(rows, "train_tokens_per_cpu_s", [120, 480])
+    assert per_cpu["ours/peer_matched@120"] == pytest.approx((1500 / 6.0) / (1820 / 10.0))
+    assert per_cpu["ours/peer_defaults@480"] == pytest.approx((1500 / 6.0) / (1820 / 10.5))
+    per_wall = peer.speed_ratios(rows, "train_tokens_per_s", [120])
+    assert list(per_wall) == ["ours/peer_matched@120", "ours/peer_defaults@120"]  # only the budgets asked for
+    assert per_wall["ours/peer_matched@120"] == pytest.approx((1500 / 12.0) / (1820 / 20.0))
+
+
 def test_paired_difference_and_spread():
     d = peer.paired([1.5, 1.7, 1.6], [1.4, 1.5, 1.6])
     assert d["mean"] == pytest.approx(0.1) and d["n"] == 3 and d["se"] > 0
