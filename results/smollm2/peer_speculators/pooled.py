@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-FOLDERS = ("fp32", "fp32_sharegpt48", "fp32_sharegpt48_40", "fp32_mtbench40", "fp32_mtbench80")
+FOLDERS = ("fp32", "fp32_sharegpt48", "fp32_sharegpt48_40", "fp32_sharegpt96", "fp32_mtbench40", "fp32_mtbench80")
 PAIRS = {40: ("ours_cached_40", "peer_matched_40"), 120: ("ours_cached_120", "peer_matched_120"),
          240: ("ours_cached_240", "peer_matched_240")}
 
