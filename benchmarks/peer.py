@@ -52,6 +52,7 @@ class PeerBenchConfig:
     arms: list[str] = field(default_factory=lambda: list(ARMS))
     seed: int = 0
     threads: int = 1  # OMP/torch threads of every training and of serving
+    trained_threads: int | None = None  # train=false: serve the arms trained at this many threads (None: threads)
     harness: str = "../shared/peers/speculators/train_speculators.sh"  # relative to the project root
     peer_dir: str = "/tmp/peer-speculators"  # the harness's PEER_DIR: its venv, the target as HF folder, work folders
     # speculators' own EAGLE-3 defaults (speculators/train/config/schema.py) that the harness sets to our recipe:
@@ -82,6 +83,8 @@ class PeerBenchConfig:
             require(arm in ARMS, "arms", self.arms, f"a list of {', '.join(ARMS)}")
         require(bool(self.steps) and all(s >= 1 for s in self.steps), "steps", self.steps, "a list of budgets >= 1")
         at_least(1, n=self.n, threads=self.threads, depth=self.depth, k=self.k, max_new_tokens=self.max_new_tokens)
+        require(self.trained_threads is None or (self.trained_threads >= 1 and not self.train), "trained_threads",
+                self.trained_threads, "null, or >= 1 with train=false (it names trained arms, it trains nothing)")
         at_least(0, mtbench_conversations=self.mtbench_conversations, sharegpt_conversations=self.sharegpt_conversations)
 
 
@@ -103,8 +106,12 @@ def check_peer_venv(cfg: PeerBenchConfig) -> None:
         raise UserError(f"no peer venv at {python.parent.parent}: `bash {harness_path(cfg)} 0 0 -` prints how to make it")
 
 
+def training_threads(cfg: PeerBenchConfig) -> int:
+    return cfg.trained_threads or cfg.threads
+
+
 def run_dir(cfg: PeerBenchConfig, arm: str, steps: int) -> Path:
-    suffix = f"_t{cfg.threads}" if cfg.threads != 1 else ""
+    suffix = f"_t{training_threads(cfg)}" if training_threads(cfg) != 1 else ""
     return root_path(cfg.runs) / arm / f"n{cfg.n}_s{steps}_seed{cfg.seed}{suffix}"
 
 
@@ -704,7 +711,7 @@ def bench(cfg: PeerBenchConfig) -> Path:
     for name, folder in folders.items():
         arm = name.split("@")[0]
         rec = ours_record(folder, split) if arm in OUR_ARMS else peer_record(folder)
-        records.append(rec | {"name": name, "arm": arm, "folder": str(folder), "threads": cfg.threads,
+        records.append(rec | {"name": name, "arm": arm, "folder": str(folder), "threads": training_threads(cfg),
                               "command": (folder / "train.cmd").read_text().strip() if (folder / "train.cmd").is_file() else None})
     served = served_results(cfg, folders, out)
     cache = build_cache(cfg) if cfg.hidden_cache or "ours_cached" in cfg.arms else None
@@ -719,7 +726,8 @@ def bench(cfg: PeerBenchConfig) -> Path:
             r["name"]: paired(served["drafters"][r["name"]]["tau_per_prompt"], base[r["steps"]])
             for r in rows if r["arm"] != ours and r["steps"] in base}
     for measure, key in (("CPU-second", "train_tokens_per_cpu_s"), ("second of wall time", "train_tokens_per_s")):
-        extra[f"training tokens per {measure}, ours / peer, {cfg.threads} thread(s)"] = speed_ratios(rows, key, cfg.steps)
+        label = f"training tokens per {measure}, ours / peer, {training_threads(cfg)} thread(s)"
+        extra[label] = speed_ratios(rows, key, cfg.steps)
     result = {"config": asdict(cfg), "rows": rows, **extra, "served": served,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "git_revision": git_revision()}
     stem = "peer" if cfg.threads == 1 else f"peer_t{cfg.threads}"

@@ -110,6 +110,14 @@ def test_run_dirs_differ_per_arm_budget_and_threads(tmp_path):
     assert len(dirs) == 2 * len(peer.ARMS) + 1
 
 
+def test_serving_at_other_threads_reads_the_arms_trained_at_trained_threads(tmp_path):
+    one = peer.run_dir(cfg(tmp_path), "ours_cached", 120)
+    assert peer.run_dir(cfg(tmp_path, threads=2, train=False, trained_threads=1), "ours_cached", 120) == one
+    assert peer.run_dir(cfg(tmp_path, threads=1, train=False, trained_threads=2), "ours_cached", 120) != one
+    with pytest.raises(UserError, match="trained_threads"):
+        cfg(tmp_path, threads=2, trained_threads=1)  # train=true would train at 2 into the 1-thread folder
+
+
 def test_done_arms_are_reused(tmp_path, monkeypatch):
     c = cfg(tmp_path)
     folder = peer.run_dir(c, "peer_matched", 120)
