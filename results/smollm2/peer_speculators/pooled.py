@@ -10,9 +10,10 @@ prompts where ours is higher / lower.
 """
 
 import json
-import statistics
 from collections import defaultdict
 from pathlib import Path
+
+from benchmarks.peer import spread
 
 HERE = Path(__file__).resolve().parent
 FOLDERS = ("fp32", "fp32_sharegpt48", "fp32_sharegpt48_40", "fp32_sharegpt96", "fp32_mtbench40", "fp32_mtbench80")
@@ -37,10 +38,8 @@ def taus(drafter: str) -> dict[tuple, float]:
 
 
 def paired(diffs: list[float]) -> dict:
-    n = len(diffs)
-    se = statistics.stdev(diffs) / n**0.5
-    mean = statistics.fmean(diffs)
-    return {"n": n, "mean": mean, "se": se, "z": mean / se, "higher": sum(d > 0 for d in diffs),
+    s = spread(diffs)
+    return {"n": s["n"], "mean": s["mean"], "se": s["se"], "z": s["mean"] / s["se"], "higher": sum(d > 0 for d in diffs),
             "lower": sum(d < 0 for d in diffs)}
 
 
