@@ -67,6 +67,10 @@ from common.config import UserError, one_of, require
 from kernels.quant_matmul import ACT_BLOCK, dequantize, pack_int4, round_activation_blocks, round_to_nearest_int4
 from speculators.layers import DecodingLinear
 from speculators.quant import fp4, gguf, gptq
+from speculators.quant.experts import EXPERT_SCHEMES, quantize_experts
+from speculators.quant.precision import describe as describe  # re-exported: what reports print
+from speculators.quant.precision import precision_breakdown as precision_breakdown
+from speculators.quant.precision import warn_if_mostly_unquantized
 
 QUANT_SCHEMES = ("none", "int8", "int4", "gptq_int4", "fp8", "w8a8", "gguf", "mxfp4", "nvfp4")
 CPU_MATMULS = ("kernel", "dequantize", "packed")
@@ -134,6 +138,8 @@ class QuantizedLinear(nn.Module):
 
 
 class WeightOnlyInt8Linear(QuantizedLinear):
+    precision = "int8"
+
     def __init__(self, weight, bias, cpu_matmul: str = "kernel", levels=None, int8_activations: bool = False):
         """levels: (q int8 [N, K], scales [N, K/g]) read elsewhere (a GGUF file's Q8_0 blocks); None: one
         scale per row, round to nearest. int8_activations: x rounded per block (module doc)."""
@@ -166,6 +172,8 @@ class WeightOnlyInt8Linear(QuantizedLinear):
 
 
 class WeightOnlyInt4Linear(QuantizedLinear):
+    precision = "int4"
+
     def __init__(self, weight, bias, group_size: int, cpu_matmul: str = "kernel", levels=None,
                  int8_activations: bool = False):
         """levels: (q, scales, zeros) chosen elsewhere (GPTQ); None: round to nearest. int8_activations: x
@@ -221,6 +229,8 @@ class WeightOnlyInt4Linear(QuantizedLinear):
 
 
 class WeightOnlyFp8Linear(QuantizedLinear):
+    precision = "fp8"
+
     def __init__(self, weight, bias):
         super().__init__(weight, bias)
         w = weight.detach().float()
@@ -241,6 +251,10 @@ class WeightOnlyFp8Linear(QuantizedLinear):
 
 class Fp4Linear(QuantizedLinear):
     """mxfp4 / nvfp4 weights (speculators/quant/fp4.py), dequantized for every matmul (emulated)."""
+
+    @property
+    def precision(self) -> str:
+        return self.fmt
 
     def __init__(self, weight, bias, fmt: str):
         super().__init__(weight, bias)
@@ -263,6 +277,8 @@ class Fp4Linear(QuantizedLinear):
 class DynamicInt8Linear(WeightOnlyInt8Linear):
     """w8a8: WeightOnlyInt8Linear's weights times each row of x rounded to 129 levels (module doc).
     On a CPU with fbgemm its packed copy is the only int8 matrix kept (qweight None until it leaves the CPU)."""
+
+    precision = "w8a8"
 
     def __init__(self, weight, bias):
         super().__init__(weight, bias)
@@ -543,14 +559,21 @@ def quantize(model: nn.Module, cfg: QuantConfig, tokenizer=None, gguf_file: Path
         if new is not None:  # None: gguf keeps a tensor the file stores unquantized as loaded
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, new)
+    if cfg.scheme in EXPERT_SCHEMES:
+        quantize_experts(model)
+    warn_if_mostly_unquantized(model, cfg.scheme)
     return model
+
+
+# Exact types: subclasses of nn.Linear compute something else with their weight (Llama-4's router returns top-k scores).
+PLAIN_LINEARS = (nn.Linear, DecodingLinear)
 
 
 def layers_to_quantize(model: nn.Module, cfg: QuantConfig) -> list[tuple[str, nn.Module]]:
     lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     from_file = cfg.scheme == "gguf"  # the file says which tensors are quantized, embeddings and lm_head too
     return [(name, m) for name, m in model.named_modules()
-            if (isinstance(m, nn.Linear) and (m is not lm_head or cfg.quantize_lm_head or from_file))
+            if (type(m) in PLAIN_LINEARS and (m is not lm_head or cfg.quantize_lm_head or from_file))
             or (m is embed and (cfg.quantize_embeddings or from_file))]
 
 
