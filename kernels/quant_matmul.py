@@ -18,8 +18,8 @@ Three implementations of the same math:
   verification) that reads the stored bytes and never materialises W: decoding is bound by memory
   bandwidth, and W is 4x (int8) or 5x (int4 with fp32 scales and zeros per 32) smaller than fp32.
   On AVX-512 CPUs its int4, grouped int8 and fp32 loops run tiles of rows x channels instead, with the same bits.
-  Compiled on first use with torch.utils.cpp_extension (once per machine, cached); where it cannot
-  build (no compiler, no AVX2) the reference serves, with one warning.
+  Compiled on first use with torch.utils.cpp_extension (once per machine and source, kernels/build.py); where
+  it cannot build (no compiler, no AVX2) the reference serves, with one warning.
 `quant_matmul` picks one: Triton where `kernels.use_triton` says so; else the CPU kernel for at most
 CPU_KERNEL_MAX_ROWS rows if the caller allows it (cpu_kernel) and it applies; else the reference.
 Each row of the CPU kernel's result is computed alone, in one fixed order: it does not depend on the
@@ -36,9 +36,6 @@ per value. K and the group size must then be multiples of 32.
 """
 
 import functools
-import os
-import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -46,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.build import load_library
 from kernels.dispatch import use_triton
 
 # Up to this many rows the kernel beats dequantize + one dense matmul on our 2-core AVX2 CPU for every layer
@@ -200,23 +198,19 @@ def dense_kernel_max_rows() -> int:
     return DENSE_KERNEL_MAX_ROWS[cpu_ops().fp32_x_isa("")] if cpu_ops() is not None else 0
 
 
+# (name, sources, cflags, ldflags). -ffp-contract=off: no multiply-add fused unless written so, as the
+# torch references compute.
+CPU_KERNEL_BUILD = ("speculators_forge_cpu", (Path(__file__).with_name("quant_matmul_cpu.cpp"),),
+                    ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"), ("-fopenmp",))
+
+
 @functools.cache
 def cpu_ops():
     """The compiled kernel's ops (torch.ops.speculators_forge), or None where it cannot build."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
-    source = Path(__file__).with_name("quant_matmul_cpu.cpp")
-    build = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions")) / "speculators_forge_cpu"
-    build.mkdir(parents=True, exist_ok=True)
-    lock = build / "lock"  # left behind by a build that was killed; torch would wait on it forever
-    if lock.exists() and time.time() - lock.stat().st_mtime > 600:
-        lock.unlink()
-    if not (build / "speculators_forge_cpu.so").exists():
-        print(f"compiling {source.name} for the CPU int8/int4 matmul (once per machine) in {build}", file=sys.stderr)
-    from torch.utils.cpp_extension import load
-    try:  # -ffp-contract=off: no multiply-add fused unless written so, as the torch references compute
-        load(name="speculators_forge_cpu", sources=[str(source)], build_directory=str(build), is_python_module=False,
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    try:
+        load_library(*CPU_KERNEL_BUILD, purpose="the CPU int8/int4 matmul")
     except Exception as error:  # no compiler, no headers: the reference still computes the same thing
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         warnings.warn(f"the CPU quantized-matmul kernel did not build ({first_line}); using dequantize + matmul")
