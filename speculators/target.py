@@ -94,7 +94,8 @@ class TargetShape:
             config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
         except (OSError, ValueError) as e:
             raise UserError(f"cannot load target {cfg.name!r}: {str(e).splitlines()[0]}") from None
-        return cls(cfg.name, config.hidden_size, config.vocab_size, config.num_hidden_layers)
+        text = config.get_text_config()
+        return cls(cfg.name, text.hidden_size, text.vocab_size, text.num_hidden_layers)
 
     @classmethod
     def of_gguf(cls, spec: str) -> "TargetShape":
@@ -162,9 +163,10 @@ class FrozenTarget:
         self.layers = layers  # False: loaded without its decoder layers, it turns cached hidden states into logits
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path
-        self.config = model.config
-        self.num_layers = model.config.num_hidden_layers
-        self.hidden_size = model.config.hidden_size
+        self.config = model.config.get_text_config()  # a multimodal checkpoint's language model: what is served
+        self.num_layers = self.config.num_hidden_layers
+        self.hidden_size = self.config.hidden_size
+        self.image_token_id = image_token_id(model.config)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.layer_ids = check_layer_ids(default_layer_ids(self.num_layers) if layer_ids is None else layer_ids,
                                          self.num_layers)
@@ -185,8 +187,8 @@ class FrozenTarget:
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
             config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
-            num_layers = config.num_hidden_layers
-            config.num_hidden_layers = num_layers if layers else 0
+            num_layers = config.get_text_config().num_hidden_layers
+            config.get_text_config().num_hidden_layers = num_layers if layers else 0
             verbosity = hf_logging.get_verbosity()
             hf_logging.set_verbosity_error()  # without layers, transformers reports every layer weight as unexpected
             try:
@@ -197,7 +199,7 @@ class FrozenTarget:
                 hf_logging.set_verbosity(verbosity)
         except (OSError, ValueError) as e:
             raise UserError(f"cannot load target {cfg.name!r}: {str(e).splitlines()[0]}") from None
-        model.config.num_hidden_layers = num_layers  # what the drafter and the exports describe is the whole target
+        model.config.get_text_config().num_hidden_layers = num_layers  # what the drafter and the exports describe is the whole target
         fingerprint = weights_fingerprint(model)  # of the weights as stored: serving quantized is the same target
         model = decoding_linears(quantize(model, quant, tokenizer, source))  # few-row CPU products through our kernel
         return cls(model, tokenizer, cfg.name, cfg.layer_ids, layers, fingerprint)
@@ -254,6 +256,7 @@ class FrozenTarget:
         """hidden_states[L] in float32 from the last decoder layer's output before the final norm (what vLLM's
         hidden-state extraction gives)."""
         base = self.model.base_model
+        base = getattr(base, "language_model", base)  # a multimodal checkpoint: its language model's norm
         norm = next((getattr(base, name) for name in ("norm", "final_layernorm", "ln_f") if hasattr(base, name)), None)
         if norm is None:
             raise UserError(f"target {self.name_or_path}: no final norm found (norm, final_layernorm or ln_f) to finish "
@@ -285,6 +288,9 @@ class FrozenTarget:
         logits=False only the features: lm_head over a whole row is a fifth of SmolLM2-135M's forward."""
         if not self.layers:
             raise RuntimeError("this target was loaded without its decoder layers (layers=False)")
+        if self.image_token_id is not None and bool((input_ids == self.image_token_id).any()):
+            raise UserError(f"target {self.name_or_path} is multimodal: its language model is trained against and "
+                            f"served with text only, and these tokens hold an image (token {self.image_token_id})")
         cache_kwarg = {self.cache_kwarg: cache} if cache is not None else {}
         head_kwarg = {} if logits or not self.can_skip_logits else {"logits_to_keep": 1}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -293,6 +299,14 @@ class FrozenTarget:
         return TargetOutput(aux_hidden=[out.hidden_states[k].to(device, torch.float32) for k in self.layer_ids],
                             last_hidden=out.hidden_states[-1].to(device, torch.float32),
                             logits=out.logits.to(device, torch.float32) if logits else None)
+
+
+def image_token_id(config) -> int | None:
+    """The token a multimodal checkpoint puts where an image goes (None for a text-only target)."""
+    if config.get_text_config() is config:
+        return None
+    found = (getattr(config, name, None) for name in ("image_token_id", "image_token_index"))
+    return next((i for i in found if i is not None), None)
 
 
 def weights_fingerprint(model) -> str:

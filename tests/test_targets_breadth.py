@@ -91,3 +91,65 @@ def test_moe_int8_logits_stay_near_and_speculation_is_lossless(moe_dir, text_bat
         spec = generate(int8, copy, prompt, MAX_NEW, k=3)
         assert spec.tokens == alone
         assert spec.stats.num_accepted_tokens > 0
+
+
+# --- multimodal checkpoints: the language model inside is the target ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma3_vision_dir(tokenizer, tmp_path_factory):
+    """Gemma-3 as 4B-27B ship: Gemma3ForConditionalGeneration, the text model's settings under text_config."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = {**tiny_config(tokenizer), "intermediate_size": 128, "sliding_window": 8}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=len(tokenizer) - 1, boi_token_index=len(tokenizer) - 2,
+                          eoi_token_index=len(tokenizer) - 3)
+    path = tmp_path_factory.mktemp("gemma3_vision")
+    Gemma3ForConditionalGeneration(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_multimodal_checkpoint_is_its_language_model(gemma3_vision_dir, text_batch):
+    from common.config import UserError
+    from speculators.target import TargetShape
+
+    cfg = TargetConfig(name_or_path=str(gemma3_vision_dir), layer_ids=FEATURES)
+    shape = TargetShape.read(cfg)
+    target = FrozenTarget.load(cfg)
+    assert (shape.num_layers, shape.hidden_size, shape.vocab_size) == (2, 64, target.vocab_size)
+    assert (target.num_layers, target.hidden_size, target.config.model_type) == (2, 64, "gemma3_text")
+    ids = text_batch[:, :20]
+    out = target(ids)
+    with torch.no_grad():
+        hf = target.model(input_ids=ids, output_hidden_states=True)
+    for k, feature in zip(FEATURES, out.aux_hidden):
+        torch.testing.assert_close(feature, hf.hidden_states[k])
+    torch.testing.assert_close(out.logits, hf.logits)
+    torch.testing.assert_close(target.final_norm(hf.hidden_states[-1]), out.last_hidden)  # the cache's path
+    headless = FrozenTarget.load(cfg, layers=False)
+    assert headless.num_layers == 2 and len(headless.model.model.language_model.layers) == 0
+    torch.testing.assert_close(headless.from_hidden(out.aux_hidden, out.last_hidden).logits, out.logits)
+    with pytest.raises(UserError, match=r"multimodal: .* text only, and these tokens hold an image"):
+        target(torch.tensor([[1, 2, target.image_token_id]]))
+
+
+def test_a_multimodal_checkpoint_serves_losslessly(gemma3_vision_dir, make_drafter, text_batch):
+    cfg = TargetConfig(name_or_path=str(gemma3_vision_dir), layer_ids=FEATURES)
+    target, int8 = FrozenTarget.load(cfg), FrozenTarget.load(cfg, QuantConfig("int8"))
+    copy = SelfDrafter.of(int8, "int8", "none", 3)
+    check_pair(target, copy)
+    drafter = make_drafter(target)
+    ids = text_batch[:, :24]
+    loss, _ = drafter.training_loss(target(ids), ids, torch.ones_like(ids))  # trains from its features
+    loss.backward()
+    assert torch.isfinite(loss) and drafter.fc.weight.grad is not None
+    for prompt in prompts_of(text_batch):
+        alone = generate(target, None, prompt, MAX_NEW, k=0).tokens
+        spec = generate(target, copy, prompt, MAX_NEW, k=3)
+        assert spec.tokens == alone and spec.stats.num_accepted_tokens > 0
+        assert generate(target, drafter, prompt, MAX_NEW, k=2).tokens == alone
