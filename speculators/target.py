@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 from accelerate.utils.modeling import align_module_device
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
 from common.config import UserError, one_of, require
@@ -192,7 +193,7 @@ class FrozenTarget:
             verbosity = hf_logging.get_verbosity()
             hf_logging.set_verbosity_error()  # without layers, transformers reports every layer weight as unexpected
             try:
-                model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=DTYPES[cfg.dtype],
+                model = model_class(config).from_pretrained(folder, config=config, dtype=DTYPES[cfg.dtype],
                                                              trust_remote_code=cfg.trust_remote_code,
                                                              **cfg.big_model_options())
             finally:
@@ -299,6 +300,14 @@ class FrozenTarget:
         return TargetOutput(aux_hidden=[out.hidden_states[k].to(device, torch.float32) for k in self.layer_ids],
                             last_hidden=out.hidden_states[-1].to(device, torch.float32),
                             logits=out.logits.to(device, torch.float32) if logits else None)
+
+
+def model_class(config):
+    """AutoModelForCausalLM; for the multimodal checkpoints it does not know (Qwen-VL), their image-text class,
+    whose language model is then served with text alone."""
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or getattr(config, "auto_map", None):
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText
 
 
 def image_token_id(config) -> int | None:

@@ -96,41 +96,56 @@ def test_moe_int8_logits_stay_near_and_speculation_is_lossless(moe_dir, text_bat
 # --- multimodal checkpoints: the language model inside is the target ---------------------------------
 
 
-@pytest.fixture(scope="module")
-def gemma3_vision_dir(tokenizer, tmp_path_factory):
-    """Gemma-3 as 4B-27B ship: Gemma3ForConditionalGeneration, the text model's settings under text_config."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+def vision_model(family: str, tokenizer) -> nn.Module:
+    """Gemma-3 as 4B-27B ship (AutoModelForCausalLM loads it) and Qwen2.5-VL (it does not: image-text-to-text);
+    the text model's settings under text_config."""
+    import transformers
 
     torch.manual_seed(0)
-    text = {**tiny_config(tokenizer), "intermediate_size": 128, "sliding_window": 8}
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                          image_token_index=len(tokenizer) - 1, boi_token_index=len(tokenizer) - 2,
-                          eoi_token_index=len(tokenizer) - 3)
-    path = tmp_path_factory.mktemp("gemma3_vision")
-    Gemma3ForConditionalGeneration(config).save_pretrained(path)
+    text = {**tiny_config(tokenizer), "intermediate_size": 128}
+    image, video, start = len(tokenizer) - 1, len(tokenizer) - 2, len(tokenizer) - 3
+    if family == "gemma3":
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                      patch_size=14)
+        return transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+            text_config={**text, "sliding_window": 8}, vision_config=vision, mm_tokens_per_image=4,
+            image_token_index=image, boi_token_index=start, eoi_token_index=video))
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    return transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+        text_config={**text, "rope_parameters": rope}, vision_config=vision, image_token_id=image,
+        video_token_id=video, vision_start_token_id=start))
+
+
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl"])
+def vision_dir(request, tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    vision_model(request.param, tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
 
-def test_a_multimodal_checkpoint_is_its_language_model(gemma3_vision_dir, text_batch):
+def test_a_multimodal_checkpoint_is_its_language_model(vision_dir, text_batch):
     from common.config import UserError
     from speculators.target import TargetShape
 
-    cfg = TargetConfig(name_or_path=str(gemma3_vision_dir), layer_ids=FEATURES)
+    cfg = TargetConfig(name_or_path=str(vision_dir), layer_ids=FEATURES)
     shape = TargetShape.read(cfg)
     target = FrozenTarget.load(cfg)
     assert (shape.num_layers, shape.hidden_size, shape.vocab_size) == (2, 64, target.vocab_size)
-    assert (target.num_layers, target.hidden_size, target.config.model_type) == (2, 64, "gemma3_text")
+    assert (target.num_layers, target.hidden_size) == (2, 64) and target.config is target.model.config.text_config
     ids = text_batch[:, :20]
+    last_layer = {}
+    hook = target.model.model.language_model.layers[-1].register_forward_hook(
+        lambda module, args, output: last_layer.setdefault("out", output[0] if isinstance(output, tuple) else output))
     out = target(ids)
+    hook.remove()
     with torch.no_grad():
         hf = target.model(input_ids=ids, output_hidden_states=True)
     for k, feature in zip(FEATURES, out.aux_hidden):
         torch.testing.assert_close(feature, hf.hidden_states[k])
     torch.testing.assert_close(out.logits, hf.logits)
-    torch.testing.assert_close(target.final_norm(hf.hidden_states[-1]), out.last_hidden)  # the cache's path
+    torch.testing.assert_close(target.final_norm(last_layer["out"]), out.last_hidden)  # the vLLM cache's path
     headless = FrozenTarget.load(cfg, layers=False)
     assert headless.num_layers == 2 and len(headless.model.model.language_model.layers) == 0
     torch.testing.assert_close(headless.from_hidden(out.aux_hidden, out.last_hidden).logits, out.logits)
@@ -138,8 +153,8 @@ def test_a_multimodal_checkpoint_is_its_language_model(gemma3_vision_dir, text_b
         target(torch.tensor([[1, 2, target.image_token_id]]))
 
 
-def test_a_multimodal_checkpoint_serves_losslessly(gemma3_vision_dir, make_drafter, text_batch):
-    cfg = TargetConfig(name_or_path=str(gemma3_vision_dir), layer_ids=FEATURES)
+def test_a_multimodal_checkpoint_serves_losslessly(vision_dir, make_drafter, text_batch):
+    cfg = TargetConfig(name_or_path=str(vision_dir), layer_ids=FEATURES)
     target, int8 = FrozenTarget.load(cfg), FrozenTarget.load(cfg, QuantConfig("int8"))
     copy = SelfDrafter.of(int8, "int8", "none", 3)
     check_pair(target, copy)
