@@ -98,24 +98,35 @@ def make_trainer(cfg: TrainerConfig, logger, run_dir: Path, extra_callbacks=(), 
         raise UserError(f"trainer: {str(e).strip().splitlines()[0]}") from None
 
 
+UNFINISHED = "UNFINISHED"  # in the run directory: training finished, its result and closing report not yet
+
+
 def fit(trainer: L.Trainer, module: L.LightningModule, datamodule, resume: str | None) -> None:
     """trainer.fit, resuming if asked. SIGTERM or a first Ctrl-C stop it at the next batch
     boundary with a checkpoint (CheckpointOnSignal) and a one-line message; a second Ctrl-C
-    interrupts at once."""
+    interrupts at once. Once it has trained, the run directory says UNFINISHED until the recipe
+    (train.run) has saved its result and report."""
 
     def stop_at_next_step(signum, frame):
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.raise_signal(signal.SIGTERM)  # Lightning's own graceful stop
 
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is not signal.SIG_IGN:  # nohup and background jobs ignore Ctrl-C on purpose
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    if previous[signal.SIGINT] is not signal.SIG_IGN:  # nohup and background jobs ignore Ctrl-C on purpose
         signal.signal(signal.SIGINT, stop_at_next_step)
+    if callable(previous[signal.SIGTERM]):  # Lightning calls a handler it finds too: its graceful stop alone
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         trainer.fit(module, datamodule, ckpt_path=checkpoint_to_resume(resume), weights_only=True)  # no pickled code
     except SIGTERMException:
         last = Path(trainer.checkpoint_callback.dirpath) / "last.ckpt"
         sys.exit(f"stopped by a signal at step {trainer.global_step}; saved {last}; continue with resume=<run dir>")
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if trainer.is_global_zero:
+        (Path(trainer.default_root_dir) / UNFINISHED).write_text(
+            f"training finished at step {trainer.global_step}; its result and closing report are not written yet "
+            f"(resume=<this run directory> finishes them)\n")
 
 
