@@ -15,9 +15,14 @@ EXPERT_SCHEMES = ("int8",)  # schemes whose expert weights are quantized; others
 
 
 def fused_expert_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(module, parameter name) of every 3-D weight: nothing but fused experts stores one."""
+    """(module, parameter name) of every fused expert weight."""
     return [(module, name) for module in model.modules()
-            for name, p in module.named_parameters(recurse=False) if p.dim() == 3]
+            for name, p in module.named_parameters(recurse=False) if is_fused_expert(module, p)]
+
+
+def is_fused_expert(module: nn.Module, weight: torch.Tensor) -> bool:
+    """A 3-D weight of a model's own module: torch's (the state-space layers' Conv1d [C, 1, k]) are no experts."""
+    return weight.dim() == 3 and not type(module).__module__.startswith("torch.")
 
 
 def input_axis(module: nn.Module, name: str, weight: torch.Tensor) -> int:

@@ -7,6 +7,8 @@ from collections import Counter
 import torch
 from torch import nn
 
+from speculators.quant.experts import is_fused_expert
+
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 MOSTLY_UNQUANTIZED = 0.5  # above this share of weights left as loaded, quantize warns
 
@@ -29,7 +31,7 @@ def weight_counts(model: nn.Module) -> tuple[Counter, Counter]:
             seen.add(id(p))
             label = DTYPE_NAMES.get(p.dtype, str(p.dtype).removeprefix("torch."))
             every[label] += p.numel()
-            if p.dim() == 3:
+            if is_fused_expert(module, p):
                 experts[label] += p.numel()
     return every, experts
 
