@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 from common.config import UserError
 from speculators.quant import stack_linears
@@ -98,6 +99,56 @@ class HFSession:
         if length < self.length:
             self.cache.crop(length - self.length)  # transformers 5: negative = positions to drop
         self.length = length
+
+
+class RecurrentSession(HFSession):
+    """A hybrid target's session (linear attention or state-space layers beside attention: Qwen3-Next, LFM2,
+    GraniteMoeHybrid): its recurrent and conv states cannot be cropped back past rejected drafts, so each
+    pass first snapshots them, and a rollback restores the snapshot of the pass it lands in, crops the
+    attention layers' keys and values to it, and runs the kept tokens of that pass again (one more target
+    pass, of the accepted tokens, whenever a draft is partly rejected). The snapshot holds the states
+    alone: a few MB per layer at real scale, however long the sequence."""
+
+    def __init__(self, target: FrozenTarget, slots: BatchSlots | None = None):
+        if slots is not None:
+            raise UserError(f"target {target.name_or_path} has recurrent layers (linear attention or state-space), "
+                            f"which a batch's holes cannot skip; serve it with batch_size=1")
+        super().__init__(target)
+        self.cache = DynamicCache(config=target.model.config)
+        self.passes = []  # (length before, the states then, the tokens) of the passes a rollback may land in
+
+    def __call__(self, tokens: torch.Tensor, tree: torch.Tensor | None = None,
+                 depths: torch.Tensor | None = None) -> TargetOutput:
+        self.passes = [*self.passes[-(ROLLBACK_PASSES - 1):], (self.length, self.states(), tokens)]
+        return super().__call__(tokens, tree, depths)
+
+    def crop(self, length: int) -> None:
+        if length >= self.length:
+            return
+        index = max(i for i, (before, _, _) in enumerate(self.passes) if before <= length)
+        before, states, tokens = self.passes[index]
+        self.passes = self.passes[:index]
+        for layer, state in zip(self.cache.layers, states):
+            if state is not None:
+                vars(layer).update(state)
+            if isinstance(layer, DynamicLayer):
+                DynamicLayer.crop(layer, before - self.length)
+        self.length = before
+        if length > before:
+            self(tokens[:, : length - before])
+
+    def states(self) -> list[dict | None]:
+        """Every recurrent layer's conv and recurrent states and flags, copied (they are updated in place)."""
+        return [None if not isinstance(layer, LinearAttentionCacheLayerMixin) else
+                {name: {i: t.clone() if isinstance(t, torch.Tensor) else t for i, t in getattr(layer, name).items()}
+                 for name in RECURRENT_STATE}
+                for layer in self.cache.layers]
+
+
+# A linear-attention cache layer's per-state dicts (transformers.cache_utils.LinearAttentionCacheLayerMixin).
+RECURRENT_STATE = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
+                   "has_previous_state", "conv_kernel_size")
+ROLLBACK_PASSES = 64  # passes kept for rollback: a verification, or a self-drafting copy's k one-token steps
 
 
 class StaticSession:
@@ -227,4 +278,4 @@ def open_session(target: FrozenTarget, max_len: int, slots: BatchSlots | None = 
     windowed = getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True)
     if c.model_type in STATIC_MODEL_TYPES and not windowed and not target.placed:
         return StaticSession(target, max_len, slots)
-    return HFSession(target, slots)
+    return RecurrentSession(target, slots) if target.recurrent else HFSession(target, slots)

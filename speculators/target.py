@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 from accelerate.utils.modeling import align_module_device
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
@@ -204,6 +205,12 @@ class FrozenTarget:
         fingerprint = weights_fingerprint(model)  # of the weights as stored: serving quantized is the same target
         model = decoding_linears(quantize(model, quant, tokenizer, source))  # few-row CPU products through our kernel
         return cls(model, tokenizer, cfg.name, cfg.layer_ids, layers, fingerprint)
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layers keep a recurrent or conv state instead of keys and values (linear attention,
+        state-space: Qwen3-Next, LFM2, GraniteMoeHybrid), by transformers' cache layout for the config."""
+        return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in DynamicCache(config=self.config).layers)
 
     @property
     def placed(self) -> bool:

@@ -168,3 +168,80 @@ def test_a_multimodal_checkpoint_serves_losslessly(vision_dir, make_drafter, tex
         spec = generate(target, copy, prompt, MAX_NEW, k=3)
         assert spec.tokens == alone and spec.stats.num_accepted_tokens > 0
         assert generate(target, drafter, prompt, MAX_NEW, k=2).tokens == alone
+
+
+# --- hybrid targets: linear-attention or state-space layers beside attention --------------------------
+
+
+def hybrid_model(family: str, tokenizer) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    common = {**tiny_config(tokenizer), "intermediate_size": 128}
+    if family == "lfm2":  # short convolutions
+        return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+            **{k: v for k, v in common.items() if k != "head_dim"}, layer_types=["conv", "full_attention"]))
+    if family == "qwen3_next":  # gated delta-net linear attention, MoE
+        return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+            **common, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32))
+    return transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(  # Mamba-2 layers
+        **{k: v for k, v in common.items() if k != "head_dim"}, layer_types=["mamba", "attention"],
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64, mamba_n_heads=4, mamba_d_head=32,
+        mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16))
+
+
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_next", "granitemoehybrid"])
+def hybrid_dir(request, tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hybrid_model(request.param, tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_hybrid_session_rolls_its_states_back_exactly(hybrid_dir, text_batch):
+    """Prefill, a verification, rejections that land inside a pass and on its start, one-token steps: every
+    pass's outputs are those of the whole sequence so far computed without a cache (to 1e-4: Qwen3-Next's chunked
+    delta rule over a whole sequence and its step-by-step recurrence sum in another order, 3e-5 apart)."""
+    from inference.sessions import RecurrentSession, open_session
+
+    target = FrozenTarget.load(TargetConfig(name_or_path=str(hybrid_dir), layer_ids=FEATURES))
+    session = open_session(target, 64)
+    assert target.recurrent and isinstance(session, RecurrentSession)
+    tokens = text_batch[:1, :40]
+    for step in (slice(0, 30), slice(30, 36), 33, slice(33, 34), slice(34, 38), 34, slice(34, 35), slice(35, 40)):
+        if isinstance(step, int):  # reject every position from `step` on, as after a partly accepted draft
+            session.crop(step)
+            continue
+        out, whole = session(tokens[:, step]), target(tokens[:, : step.stop])
+        torch.testing.assert_close(out.logits, whole.logits[:, step], atol=1e-4, rtol=1e-4)
+        for a, b in zip(out.aux_hidden, whole.aux_hidden):
+            torch.testing.assert_close(a, b[:, step], atol=1e-4, rtol=1e-4)
+    assert session.length == 40
+
+
+def test_a_hybrid_target_serves_losslessly(hybrid_dir, make_drafter, text_batch):
+    """Target-only decoding equals a no-cache greedy reference; speculation with a drafter that is mostly
+    rejected (random EAGLE-3) and one mostly accepted (an int4 copy, itself hybrid) equals target-only."""
+    from common.config import UserError
+    from inference.engine import generate_batch
+
+    cfg = TargetConfig(name_or_path=str(hybrid_dir), layer_ids=FEATURES)
+    target = FrozenTarget.load(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # int4 leaves the experts as loaded: said at load
+        copy = SelfDrafter.of(FrozenTarget.load(cfg, QuantConfig("int4", group_size=16)), "int4", "none", 3)
+    drafter = make_drafter(target)
+    for prompt in prompts_of(text_batch):
+        alone = generate(target, None, prompt, MAX_NEW, k=0).tokens
+        ids = list(prompt)
+        for _ in alone:
+            ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert alone == ids[len(prompt):]
+        rejected = generate(target, drafter, prompt, MAX_NEW, k=3)
+        assert rejected.tokens == alone and rejected.stats.num_accepted_tokens < rejected.stats.num_draft_tokens
+        accepted = generate(target, copy, prompt, MAX_NEW, k=3)
+        assert accepted.tokens == alone and accepted.stats.num_accepted_tokens > 0
+    with pytest.raises(UserError, match=r"has recurrent layers .* serve it with batch_size=1"):
+        generate_batch(target, drafter, prompts_of(text_batch), 8, k=3)
