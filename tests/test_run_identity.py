@@ -15,9 +15,12 @@ import signal
 
 import pytest
 import torch
+from test_config import composed, typed
 from test_reliability import copy_small_stdlib, folder_bytes, one_line_error, run_in_process, tiny_training
 
+from common.config import UserError
 from train.callbacks import CheckpointOnSignal
+from train.run import compare_settings, save_settings
 from train.trainer import UNFINISHED
 
 
@@ -124,6 +127,25 @@ def test_resume_names_the_applied_changes_in_one_line(llama_dir, small_stdlib, t
     applied = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume=")]
     assert applied == [f"resume={run_dir}: applied serve_eval.num_prompts 2 -> 1, trainer.max_steps 2 -> 3 "
                        f"(the learning rate's cosine now ends at step 3)"], applied
+
+
+def test_resume_on_another_number_of_processes_keeps_the_global_batch(tmp_path, capsys):
+    """2 processes of 4 rows continue as 1 of 8 (tests/test_ddp.py measures the losses and weights); 1 of 2 is
+    another global batch."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.ckpt").touch()
+    two, _ = typed(composed(["conf=eagle3_pycode", "trainer=ddp", "data.batch_size=4"]))
+    save_settings(run_dir, two)
+    one, _ = typed(composed(["conf=eagle3_pycode", "data.batch_size=8", f"resume={run_dir}"]))
+    compare_settings(one)
+    assert capsys.readouterr().out.strip() == (
+        f"resume={run_dir}: applied data.batch_size 4 -> 8, trainer.devices 2 -> 1, trainer.strategy 'ddp' -> 'auto' "
+        "(the same 8 sequences per step; the same rows in each step, split among the processes; its loss the mean "
+        "of theirs, equal to one process's where each holds as many loss tokens)")
+    fewer, _ = typed(composed(["conf=eagle3_pycode", "data.batch_size=2", f"resume={run_dir}"]))
+    with pytest.raises(UserError, match="computes: data.batch_size 4 -> 2, trainer.devices 2 -> 1; pass them"):
+        compare_settings(fewer)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

@@ -132,6 +132,9 @@ def compare_settings(recipe) -> None:
                         f"them as the run had them, or start a new run (init_from=<its export> continues its weights)")
     if changed:
         notes = [f"the same {global_batch(now)} sequences per step"] if any(k in GLOBAL_BATCH for k in changed) else []
+        if any(k in ("trainer.devices", "trainer.num_nodes") for k in changed):
+            notes.append("the same rows in each step, split among the processes; its loss the mean of theirs, equal "
+                         "to one process's where each holds as many loss tokens")
         if "trainer.max_steps" in changed:
             notes.append(f"the learning rate's cosine now ends at step {now['trainer.max_steps']}")
         announce(f"resume={recipe.resume}: applied {changes(changed, list(changed))}"
