@@ -6,7 +6,9 @@ interleaved batch by batch (`batch_size` prompts decoded together, both ways), s
 same machine load. The report has the same keys at every batch size.
 """
 
+import contextlib
 import json
+import os
 import resource
 import statistics
 from dataclasses import asdict, dataclass, field, replace
@@ -50,6 +52,10 @@ class InferenceConfig:
         require(0 <= self.seed < 2**32, "seed", self.seed, "in [0, 2**32 - 1], as for training")
         require(0 <= self.acceptance_tolerance < 1, "acceptance_tolerance", self.acceptance_tolerance,
                 "in [0, 1) (0: exact greedy verification)")
+        if self.out is not None:  # before the target loads and the measurement runs, not after
+            from speculators.export import check_folder_writable
+
+            check_folder_writable(Path(self.out), "out")
 
 
 def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
@@ -250,17 +256,35 @@ def peak_memory_mb() -> float:
 
 
 def write(report: dict, out_dir: Path) -> Path:
-    """report.json and acceptance.png in out_dir; the table on the console."""
+    """report.json and acceptance.png in out_dir, each whole or not at all; the table on the console."""
+    from speculators.export import check_folder_writable, write_atomically
+
+    check_folder_writable(out_dir)  # one line naming it, where a read-only disk would give a traceback
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
-    rates = report["acceptance_rate_per_position"]
-    with plots.figure(out_dir / "acceptance.png") as ax:
-        ax.plot(range(1, len(rates) + 1), rates, marker="o")
-        ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1), xticks=range(1, len(rates) + 1),
-               title=f"acceptance length tau = {report['acceptance_length']:.2f}")
-        ax.grid(alpha=0.3)
+    write_atomically(out_dir / "report.json", json.dumps(report, indent=2))
+    plot_acceptance(report, out_dir / "acceptance.png")
     print(table(report))
     return out_dir / "report.json"
+
+
+def plot_acceptance(report: dict, path: Path) -> None:
+    """The acceptance rate per draft position, drawn into a sibling file renamed over `path`."""
+    from speculators.export import disk_error
+
+    partial = path.with_name(f".{path.stem}.partial{path.suffix}")  # the suffix names the image format
+    rates = report["acceptance_rate_per_position"]
+    try:
+        with plots.figure(partial) as ax:
+            ax.plot(range(1, len(rates) + 1), rates, marker="o")
+            ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1), xticks=range(1, len(rates) + 1),
+                   title=f"acceptance length tau = {report['acceptance_length']:.2f}")
+            ax.grid(alpha=0.3)
+        os.replace(partial, path)
+    except OSError as error:
+        raise disk_error(path, error) from None
+    finally:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
 
 
 def log_to_wandb(report: dict, cfg: LoggerConfig, out_dir: Path) -> None:

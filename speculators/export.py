@@ -47,16 +47,20 @@ intact), no silent overwrite, and refusing corrupt or truncated files.
 Any export converts to another format that can hold the drafter:
     python -m speculators.export SRC OUT --format eagle3
 
-An EAGLE-3 export in the speculators format may leave out embed_tokens (--shared-embedding): it is
-the target's own, frozen, and vLLM shares the target's when a drafter has none; this project's
-loaders take it from the target (`share_target_embedding`). With --dtype bfloat16 an export is
+An EAGLE-3 export in the speculators or eagle3 format may leave out embed_tokens (--shared-embedding): it
+is the target's own, frozen, and vLLM and SGLang share the target's when a drafter has none; this
+project's loaders take it from the target (`share_target_embedding`). With --dtype bfloat16 an export is
 stored at half the size. Both make a drafter small enough to ship (models/smollm2-eagle3: 20 MB
-instead of 152 MB).
+instead of 152 MB). A conversion keeps both: the source's dtype (unless --dtype) and embeddings left out
+stay out. config.json records the stored dtype (torch_dtype, and `dtype` where a Llama config has it).
+A write the disk refuses (full, read-only) ends in one line naming the path and leaves nothing behind.
 """
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -121,7 +125,6 @@ def speculators_config(drafter, verifier: Verifier) -> dict:
         "embed_requires_grad": False,
         "tie_word_embeddings": False,
         "trained_depth": drafter.depth,  # this project's key: speculative_tokens is the K to serve
-        "torch_dtype": "float32",
     } | drafter.speculators_extra_config()
 
 
@@ -136,7 +139,7 @@ def read_speculators(config: dict, weights: dict):
         raise UserError(f"speculators_model_type {kind!r} is not supported here; "
                         f"supported: {', '.join(families_of('speculators'))}")
     layer_cfg = LlamaConfig(**{k: v for k, v in config["transformer_layer_config"].items()
-                               if k not in ("architectures", "model_type")})
+                               if k not in ("architectures", "model_type", "dtype")})
     draft_vocab.check(weights.get("d2t"), weights.get("t2d"), layer_cfg.vocab_size, config["draft_vocab_size"])
     drafter = family_class(kind, "speculators").from_speculators_config(config, layer_cfg)
     drafter.best_k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
@@ -144,7 +147,7 @@ def read_speculators(config: dict, weights: dict):
 
 
 # Keys of an EAGLE config.json that are not fields of the draft layer's LlamaConfig.
-EAGLE_FORMAT_KEYS = ("architectures", "model_type", "bias", "torch_dtype", "base_model_name_or_path",
+EAGLE_FORMAT_KEYS = ("architectures", "model_type", "bias", "torch_dtype", "dtype", "base_model_name_or_path",
                      "num_speculative_tokens")
 
 
@@ -157,7 +160,6 @@ def write_eagle(drafter, verifier: Verifier) -> tuple[dict, dict]:
         "rope_theta": rope_theta(drafter.layer_cfg),  # EAGLE's config class reads it here, not in rope_parameters
         "bias": True,  # fc has a bias (EAGLE's loader reads this key)
         "tie_word_embeddings": False,
-        "torch_dtype": "float32",
         "base_model_name_or_path": verifier.name_or_path,
         "num_speculative_tokens": drafter.depth,
     }
@@ -173,7 +175,7 @@ def read_eagle(config: dict, weights: dict):
 
 # Keys of an original EAGLE-3 config.json that are not fields of the draft layer's LlamaConfig.
 EAGLE3_FORMAT_KEYS = ("architectures", "model_type", "draft_vocab_size", "target_hidden_size", "eagle_config",
-                      "norm_before_residual", "num_speculative_tokens", "torch_dtype")
+                      "norm_before_residual", "num_speculative_tokens", "torch_dtype", "dtype")
 
 
 def write_eagle3(drafter, verifier: Verifier) -> tuple[dict, dict]:
@@ -197,7 +199,6 @@ def write_eagle3(drafter, verifier: Verifier) -> tuple[dict, dict]:
         "norm_before_residual": False,
         "num_speculative_tokens": drafter.depth,
         "tie_word_embeddings": False,
-        "torch_dtype": "float32",
     }
     weights = {name.replace("layers.0.", "midlayer.", 1): t for name, t in drafter.state_dict().items()}
     return config, weights
@@ -217,7 +218,8 @@ def read_eagle3(config: dict, weights: dict):
 
 
 # Keys of an original DFlash config.json that are not fields of the draft layers' config.
-DFLASH_FORMAT_KEYS = ("architectures", "model_type", "block_size", "dflash_config", "num_target_layers", "torch_dtype")
+DFLASH_FORMAT_KEYS = ("architectures", "model_type", "block_size", "dflash_config", "num_target_layers", "torch_dtype",
+                      "dtype")
 MASK_FILE = "mask_embedding.pt"  # the original DFlash layout's learned mask embedding
 
 
@@ -234,7 +236,6 @@ def write_dflash(drafter, verifier: Verifier) -> tuple[dict, dict]:
         "dflash_config": {"mask_token_id": drafter.cfg.mask_token_id,
                           "target_layer_ids": [k - 1 for k in drafter.layer_ids]},
         "tie_word_embeddings": False,
-        "torch_dtype": "float32",
     }
     weights = {name: t for name, t in drafter.state_dict().items()
                if name not in ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")}
@@ -286,7 +287,6 @@ def write_medusa(drafter, verifier: Verifier) -> tuple[dict, dict]:
         "hidden_size": drafter.target_hidden_size,
         "vocab_size": len(drafter.t2d),
         "medusa_choices": drafter.cfg.tree_choices,
-        "torch_dtype": "float32",
     }
     return config, {name.removeprefix("heads."): t for name, t in drafter.state_dict().items()}
 
@@ -323,7 +323,8 @@ FORMATS = {
                           lambda config: config["speculators_config"]["verifier"]["name_or_path"],
                           left_to_target=("embed_tokens.weight",)),
     "eagle": Format(write_eagle, read_eagle, lambda config: config["base_model_name_or_path"]),
-    "eagle3": Format(write_eagle3, read_eagle3, lambda config: None),  # it does not name its target
+    # It does not name its target; SGLang and vLLM share the target's embeddings when it has none.
+    "eagle3": Format(write_eagle3, read_eagle3, lambda config: None, left_to_target=("embed_tokens.weight",)),
     "dflash": Format(write_dflash, read_dflash, lambda config: None, extra_file=MASK_FILE,
                      left_to_target=("embed_tokens.weight", "lm_head.weight", "mask_embedding")),
     # Medusa's loaders (FasterDecoding/Medusa, TGI, TensorRT-LLM) look for this file name.
@@ -376,7 +377,8 @@ def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, tr
     """Write the export into a sibling temporary folder, then move it in place whole. `training`
     (steps, tokens seen, ...) goes to training.json beside the weights: serving engines ignore it.
     `fmt` defaults to the drafter's own format (`export_format`); `dtype` (e.g. bfloat16) stores the
-    floating-point weights in it; `shared_embedding` leaves out an EAGLE-3 drafter's embed_tokens."""
+    floating-point weights in it (None: as they are); `shared_embedding` leaves out an EAGLE-3 drafter's
+    embed_tokens, as does a drafter loaded from an export that left it to the target."""
     fmt = fmt or drafter.export_format
     if fmt not in FORMATS:
         raise UserError(f"unknown export format {fmt!r}; allowed: {', '.join(FORMATS)}")
@@ -386,54 +388,168 @@ def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, tr
         return FORMATS[fmt].save(drafter, out_dir, verifier, overwrite)
     config, weights = FORMATS[fmt].write(drafter, verifier)  # validates before anything is written
     extra = weights.pop(FORMATS[fmt].extra_file, None)
-    if shared_embedding:
-        if (fmt, drafter.cfg.family) != ("speculators", "eagle3"):
-            raise UserError(f"shared_embedding: only EAGLE-3 drafters in the speculators format leave out their "
-                            f"embeddings (a {drafter.cfg.family} drafter in the {fmt} format keeps its own)")
-        del weights["embed_tokens.weight"]
-    if dtype is not None:
-        stored = getattr(torch, dtype, None)
-        if not isinstance(stored, torch.dtype) or not stored.is_floating_point:
-            raise UserError(f"dtype={dtype!r} is not a floating-point torch dtype (e.g. bfloat16, float16, float32)")
-        weights = {name: t.to(stored) if t.is_floating_point() else t for name, t in weights.items()}
-        config["torch_dtype"] = dtype
+    weights = without_shared_embedding(drafter, fmt, weights, shared_embedding)
+    weights = stored_in(dtype, weights)
+    record_dtype(config, floating_dtype(weights))
     out_dir = Path(out_dir)
     check_writable(out_dir, overwrite)
     partial = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    weights_file = partial / FORMATS[fmt].weights_file
-    save_file({name: t.detach().cpu().contiguous() for name, t in weights.items()}, weights_file)
-    weights_file.chmod(0o644)  # safetensors writes 0600; serving often runs as another user
-    (partial / "config.json").write_text(json.dumps(config, indent=2))
-    if extra is not None:
-        torch.save(extra, partial / FORMATS[fmt].extra_file)
-    if training is not None:
-        (partial / "training.json").write_text(json.dumps(training, indent=2))
-    move_into_place(partial, out_dir)
+    try:
+        write_folder(partial, FORMATS[fmt], config, weights, extra, training)
+        move_into_place(partial, out_dir)
+    except (OSError, SafetensorError) as error:  # a full disk, a read-only folder
+        raise disk_error(out_dir, error) from None
+    finally:
+        remove(partial)  # nothing half-written left beside the export
     return out_dir
 
 
-def move_into_place(partial: Path, out_dir: Path) -> None:
-    """The previous export is moved aside, not deleted, until the new one is in place, and put
-    back if the swap is interrupted."""
-    previous = out_dir.with_name(out_dir.name + ".previous")
-    shutil.rmtree(previous, ignore_errors=True)
+def write_folder(folder: Path, fmt: Format, config: dict, weights: dict, extra, training: dict | None) -> None:
+    remove(folder)
+    folder.mkdir(parents=True)
+    weights_file = folder / fmt.weights_file
+    save_file({name: t.detach().cpu().contiguous() for name, t in weights.items()}, weights_file)
+    weights_file.chmod(0o644)  # safetensors writes 0600; serving often runs as another user
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    if extra is not None:
+        torch.save(extra, folder / fmt.extra_file)
+    if training is not None:
+        (folder / "training.json").write_text(json.dumps(training, indent=2))
+    sync(folder)
+
+
+def sync(folder: Path) -> None:
+    """Every file of the folder on disk before it is renamed into place (a full disk fails here, not later)."""
+    for file in folder.iterdir():
+        sync_file(file)
+
+
+def sync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        if out_dir.exists():
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def without_shared_embedding(drafter, fmt: str, weights: dict, shared_embedding: bool) -> dict:
+    """The weights without embed_tokens where it is the target's: asked (shared_embedding), or never loaded
+    (an export that left it to the target: what the drafter holds there is not the target's)."""
+    if shared_embedding and (drafter.cfg.family != "eagle3" or fmt not in ("speculators", "eagle3")):
+        raise UserError(f"shared_embedding: only EAGLE-3 drafters in the speculators and eagle3 formats leave out "
+                        f"their embeddings (a {drafter.cfg.family} drafter in the {fmt} format keeps its own)")
+    left = "embed_tokens.weight" in getattr(drafter, "left_to_target", ())
+    if left and "embed_tokens.weight" not in FORMATS[fmt].left_to_target and "embed_tokens.weight" in weights:
+        raise UserError(f"the {fmt} format stores the drafter's embeddings, and this drafter's export left them to "
+                        f"the target; export it in a format that shares the target's")
+    if shared_embedding or left:
+        return {name: t for name, t in weights.items() if name != "embed_tokens.weight"}
+    return weights
+
+
+def stored_in(dtype: str | None, weights: dict) -> dict:
+    """The weights with floating-point tensors in `dtype` (None: as they are)."""
+    if dtype is None:
+        return weights
+    stored = getattr(torch, dtype, None)
+    if not isinstance(stored, torch.dtype) or not stored.is_floating_point:
+        raise UserError(f"dtype={dtype!r} is not a floating-point torch dtype (e.g. bfloat16, float16, float32)")
+    return {name: t.to(stored) if t.is_floating_point() else t for name, t in weights.items()}
+
+
+def floating_dtype(weights: dict) -> str:
+    """The dtype the floating-point weights are stored in (the widest, should they differ)."""
+    dtypes = {t.dtype for t in weights.values() if t.is_floating_point()} or {torch.float32}
+    return str(max(dtypes, key=lambda d: torch.finfo(d).bits)).removeprefix("torch.")
+
+
+def record_dtype(config: dict, dtype: str) -> None:
+    """The stored dtype in config.json as torch_dtype, and as transformers 5's `dtype` wherever a Llama
+    config has that key (a format's own config, or the layer config the speculators format nests)."""
+    config["torch_dtype"] = dtype
+    for holder in (config, config.get("transformer_layer_config")):
+        if isinstance(holder, dict) and "dtype" in holder:
+            holder["dtype"] = dtype
+
+
+def move_into_place(partial: Path, out_dir: Path) -> None:
+    """The previous export (a folder, or whatever file was there) is moved aside, not deleted, until the new
+    one is in place, and put back if the swap is interrupted."""
+    previous = out_dir.with_name(out_dir.name + ".previous")
+    remove(previous)
+    try:
+        if out_dir.exists() or out_dir.is_symlink():
             out_dir.rename(previous)
         partial.rename(out_dir)
     except BaseException:  # Ctrl-C included
-        if previous.exists() and not out_dir.exists():
+        if (previous.exists() or previous.is_symlink()) and not out_dir.exists():
             previous.rename(out_dir)
         raise
-    shutil.rmtree(previous, ignore_errors=True)
+    remove(previous)
 
 
-def check_writable(out_dir: Path, overwrite: bool) -> None:
-    """An existing export is replaced only when asked: it may be the only copy of days of training."""
-    if out_dir.exists() and not overwrite:
-        raise UserError(f"{out_dir} already exists; pass overwrite=true to replace it")
+def remove(path: Path) -> None:
+    """Delete a folder or a file, if there is one."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+
+
+def check_writable(out_dir: Path, overwrite: bool, hint: str = "overwrite=true") -> None:
+    """An existing export is replaced only when asked: it may be the only copy of days of training. Its
+    folder is checked writable before anything is computed."""
+    if (out_dir.exists() or out_dir.is_symlink()) and not overwrite:
+        raise UserError(f"{out_dir} already exists; pass {hint} to replace it")
+    check_folder_writable(out_dir.parent)
+
+
+def disk_error(path: Path, error: Exception) -> UserError:
+    """One line for a write the disk refused (full, read-only, no permission), naming the path."""
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
+    return UserError(f"cannot write {path}: {reason}")
+
+
+def check_folder_writable(folder: Path, key: str | None = None) -> None:
+    """Refuse, before any long work, an output folder that cannot be created or written into; `key` is the
+    setting that named it. Tried by writing there; the folders it created for that are removed again."""
+    folder = Path(folder)
+    missing = [path for path in (folder, *folder.parents) if not path.exists()]  # deepest first
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise UserError(f"{f'{key}=' if key else ''}{folder}: cannot write there ({error.strerror or error})") from None
+    finally:
+        for path in missing:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
+def write_atomically(path: Path, data: str | bytes) -> None:
+    """`path` whole or not at all: a sibling temporary file, synced, then renamed over it. A refused write
+    (a full disk) leaves the previous file as it was and nothing beside it."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    data = data.encode() if isinstance(data, str) else data
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(partial, path)
+    except OSError as error:
+        remove(partial)
+        raise disk_error(path, error) from None
+    except BaseException:
+        remove(partial)
+        raise
 
 
 def load(path: Path) -> tuple[torch.nn.Module, str | None]:
@@ -445,12 +561,14 @@ def load(path: Path) -> tuple[torch.nn.Module, str | None]:
         raise UserError(f"{path}: config.json is not in a drafter format this project reads "
                         f"(supported: {', '.join(FORMATS)})")
     weights = read_weights(path / FORMATS[fmt].weights_file)
+    stored_dtype = floating_dtype(weights)
     extra = FORMATS[fmt].extra_file
     if extra is not None and (path / extra).is_file():
         weights[extra] = torch.load(path / extra, map_location="cpu", weights_only=True)
     drafter, weights = FORMATS[fmt].read(config, weights)
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     drafter.left_to_target = tuple(name for name in missing if name in FORMATS[fmt].left_to_target)
+    drafter.stored_dtype = stored_dtype  # what a conversion keeps unless told otherwise
     missing = [name for name in missing if name not in drafter.left_to_target]  # share_target_embedding fills those
     if missing or unexpected:
         raise UserError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
@@ -477,9 +595,7 @@ def set_best_k(path: Path, k: int) -> None:
     if format_of(config) != "speculators":
         return
     config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = k
-    partial = Path(path) / "config.json.partial"
-    partial.write_text(json.dumps(config, indent=2))
-    os.replace(partial, Path(path) / "config.json")  # whole or not at all
+    write_atomically(Path(path) / "config.json", json.dumps(config, indent=2))
 
 
 def training_record(path: Path) -> dict | None:
@@ -510,6 +626,18 @@ def read_weights(file: Path) -> dict:
         raise UserError(f"{file} is corrupt or truncated ({e})") from None
 
 
+def convert(source: Path, out: Path, fmt: str, target: str | None = None, overwrite: bool = False,
+            dtype: str | None = None, shared_embedding: bool = False) -> Path:
+    """The export `source` rewritten in format `fmt`: in the source's dtype unless `dtype`, without the
+    embeddings it left to the target."""
+    check_writable(Path(out), overwrite, hint="--overwrite")  # before the source loads
+    drafter, verifier = load(source)
+    if not (target or verifier):
+        raise UserError(f"{source} does not name its target; pass --target")
+    return save(drafter, out, Verifier.named(target or verifier), overwrite, training_record(source), fmt,
+                dtype or drafter.stored_dtype, shared_embedding)
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -522,21 +650,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", required=True, choices=sorted(FORMATS))
     parser.add_argument("--target", help="the target's name_or_path, if the source format does not record it")
     parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--dtype", help="store floating-point weights in this dtype, e.g. bfloat16")
+    parser.add_argument("--dtype", help="store floating-point weights in this dtype, e.g. bfloat16 (default: the source's)")
     parser.add_argument("--shared-embedding", action="store_true",
                         help="leave out an EAGLE-3 drafter's embeddings (the target's own; engines share them)")
     args = parser.parse_args(argv)
 
-    @exit_on_user_error
-    def convert() -> None:
-        drafter, verifier = load(args.source)
-        if not (args.target or verifier):
-            raise UserError(f"{args.source} does not name its target; pass --target")
-        record = Verifier.named(args.target or verifier)
-        print(save(drafter, args.out, record, args.overwrite, training_record(args.source), args.format, args.dtype,
-                   args.shared_embedding))
-
-    convert()
+    exit_on_user_error(lambda: print(convert(args.source, args.out, args.format, args.target, args.overwrite,
+                                             args.dtype, args.shared_embedding)))()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ llama.cpp creates it. The export is one `*.gguf` file (what -md takes), written 
 renamed into place.
 """
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -76,12 +77,13 @@ class Target:
 def save(drafter, out: Path, target_name: str, overwrite: bool = False) -> Path:
     """Write `drafter` as the GGUF file `out` for the target `target_name` (a GGUF file spec as
     speculators/gguf_file.py locates it, or a Hugging Face folder / hub id)."""
+    from speculators.export import check_writable, disk_error, sync_file
+
     out = Path(out)
-    if out.suffix != ".gguf":
+    if out.suffix != ".gguf" or out.is_dir():
         raise UserError(f"{out}: a GGUF export is one file (what llama.cpp's -md takes); name it *.gguf")
     check_drafter(drafter)
-    if out.exists() and not overwrite:
-        raise UserError(f"{out} already exists; pass overwrite=true to replace it")
+    check_writable(out, overwrite)
     target = read_target(target_name, drafter.layer_ids)
     check_target(drafter, target)
     own_embedding = not (drafter.embedding_from_target  # exported without it: the target's
@@ -92,9 +94,13 @@ def save(drafter, out: Path, target_name: str, overwrite: bool = False) -> Path:
     partial = out.with_name(out.name + ".partial")
     try:
         write(partial, drafter, tensors, target.tokenizer)
+        sync_file(partial)
         os.replace(partial, out)
+    except OSError as error:  # a full disk, a read-only folder
+        raise disk_error(out, error) from None
     finally:
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
     return out
 
 

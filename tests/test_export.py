@@ -84,8 +84,14 @@ def test_bf16_export_without_embeddings_takes_the_targets(llama_target, make_dra
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, rounded[name]), name
 
+    sglang = export.save(drafter, tmp_path / "eagle3", Verifier.of(llama_target), fmt="eagle3", shared_embedding=True)
+    with safe_open(str(sglang / "model.safetensors"), "pt") as f:
+        assert "embed_tokens.weight" not in f.keys()  # SGLang and vLLM share the target's
+    from speculators.medusa import MedusaConfig, MedusaDrafter
+
+    medusa = MedusaDrafter(MedusaConfig(depth=2), llama_target.hidden_size, llama_target.vocab_size)
     with pytest.raises(UserError, match="only EAGLE-3"):
-        export.save(drafter, tmp_path / "eagle3", Verifier.of(llama_target), fmt="eagle3", shared_embedding=True)
+        export.save(medusa, tmp_path / "medusa", Verifier.of(llama_target), shared_embedding=True)
     with pytest.raises(UserError, match="floating-point"):
         export.save(drafter, tmp_path / "int", Verifier.of(llama_target), dtype="int8")
 
