@@ -214,6 +214,7 @@ SLOW = {
     "test_reliability.py": {"test_bad_values_through_real_processes", "test_offline_training_makes_no_network_attempt",
                             "test_every_bad_training_value_ends_in_one_line",
                             "test_every_bad_inference_value_ends_in_one_line"},
+    "test_run_identity.py": {"test_sigterm_to_train_py_in_its_closing_report"},
     "test_self_draft.py": {"test_sampling_with_another_model_as_copy_keeps_the_target_law"},
     "test_shipped_drafter.py": {"test_shipped_drafter_keeps_its_card_acceptance"},
     "test_shipped_target.py": {"test_default_recipe_trains_and_exports_for_the_shipped_target",

@@ -12,11 +12,22 @@
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from test_config import composed, typed
-from test_reliability import copy_small_stdlib, folder_bytes, one_line_error, run_in_process, tiny_training
+from test_reliability import (
+    REPO,
+    cli_env,
+    copy_small_stdlib,
+    folder_bytes,
+    one_line_error,
+    run_in_process,
+    tiny_training,
+)
 
 from common.config import UserError
 from train.callbacks import CheckpointOnSignal
@@ -189,3 +200,27 @@ def test_a_signal_in_the_closing_report_leaves_it_to_resume(llama_dir, small_std
         no_target_load(patch)
         code, stderr = run_in_process("train", args + [f"resume={run_dir}"], monkeypatch)
     assert "overwrite=true" in one_line_error(code, stderr)
+
+
+def test_sigterm_to_train_py_in_its_closing_report(llama_dir, small_stdlib, tmp_path):
+    """As a scheduler does it: SIGTERM to `python train.py` once its export is there (its report is running)."""
+    run_dir = tmp_path / "run"
+    args = [str(REPO / "train.py"), *tiny_training(llama_dir, small_stdlib, run_dir)]
+    run = subprocess.Popen([sys.executable, *args], cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    while not (run_dir / "export").exists() and run.poll() is None:
+        time.sleep(0.02)
+    run.send_signal(signal.SIGTERM)
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.rstrip().splitlines()[-1] == (f"stopped by SIGTERM after training, before export/ and its closing "
+                                                f"report were finished; finish them with resume={run_dir}")
+    assert (run_dir / UNFINISHED).exists() and not (run_dir / "acceptance").exists()
+
+    resumed = subprocess.run([sys.executable, *args, f"resume={run_dir}"], cwd=tmp_path, env=cli_env(),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    report = json.loads((run_dir / "acceptance" / "report.json").read_text())
+    config = json.loads((run_dir / "export" / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == report["config"]["k"]
+    assert not (run_dir / UNFINISHED).exists()
