@@ -110,6 +110,7 @@ def flat_settings(recipe) -> dict:
 
 
 def save_settings(run_dir: Path, recipe) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)  # Hydra makes it; train.run.run called directly may not have
     partial = run_dir / f"{SETTINGS}.partial"
     partial.write_text(json.dumps(flat_settings(recipe), indent=1) + "\n")
     os.replace(partial, run_dir / SETTINGS)
