@@ -55,7 +55,7 @@ def step_of(run_dir) -> int:
 def no_target_load(monkeypatch):
     from train.distill import FrozenTarget
 
-    def fail(*_):
+    def fail(*_, **__):
         raise AssertionError("the target was loaded before the refusal")
 
     monkeypatch.setattr(FrozenTarget, "load", fail)
@@ -86,6 +86,12 @@ def test_a_new_run_into_a_run_folder_is_refused_unless_overwrite(llama_dir, smal
     line = one_line_error(code, stderr)
     assert f"resume={run_dir}" in line and "overwrite=true" in line and "checkpoints/last.ckpt" in line, line
     assert (run_dir / "checkpoints" / "last.ckpt").read_bytes() == checkpoint
+
+    with monkeypatch.context() as patch:  # started over, it fails before its first checkpoint: none of the old left
+        no_target_load(patch)
+        with pytest.raises(AssertionError, match="the target was loaded"):
+            run_in_process("train", args + ["overwrite=true"], monkeypatch)
+    assert not (run_dir / "checkpoints" / "last.ckpt").exists()
 
     code, stderr = run_in_process("train", args + ["overwrite=true"], monkeypatch)  # starts it over, to the end
     assert code == 0, stderr

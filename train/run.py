@@ -80,6 +80,7 @@ def start_over(run_dir: Path) -> None:
     kill before this run's first checkpoint would otherwise leave them to resume)."""
     for checkpoint in run_dir.glob("checkpoints/*.ckpt"):
         checkpoint.unlink()
+    (run_dir / UNFINISHED).unlink(missing_ok=True)  # this run has not trained yet
     announce(f"overwrite=true: {run_dir} starts over (its checkpoints removed; its result is replaced at the end)")
 
 
