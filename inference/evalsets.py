@@ -36,6 +36,7 @@ MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 LAYOUTS = ('a JSON string, a list of strings, {"prompt": ...}, {"turns": [...]}, {"messages": [{"role", "content"}]} '
            'or {"conversations": [{"from", "value"}]}')
 SHAREGPT_USERS = tuple(name for name, role in corpus.SHAREGPT_ROLES.items() if role == "user")
+LISTED_LINES = 5  # utf8_text: the lines an error names
 
 
 @dataclass
@@ -118,10 +119,30 @@ def prompt_file(cfg: EvalConfig) -> list[list[str]]:
     return prompts
 
 
+def utf8_text(data: bytes, what: str) -> str:
+    """`data` decoded as UTF-8, or one line naming the lines (and byte offsets) that are not: replacement
+    characters in their place would be trained on or served as text nobody wrote. Eval files and training data
+    (train/data.py) both read through this."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    bad, offset = [], 0
+    for n, line in enumerate(data.split(b"\n"), 1):  # b"\n" is never inside a UTF-8 sequence
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            bad.append(f"line {n} (byte {offset + e.start}: {line[e.start : e.start + 4]!r})")
+        offset += len(line) + 1
+    more = f"; and {len(bad) - LISTED_LINES} more" if len(bad) > LISTED_LINES else ""
+    raise UserError(f"{what}: {len(bad)} line(s) are not UTF-8: {'; '.join(bad[:LISTED_LINES])}{more}; re-encode the "
+                    "file as UTF-8 (iconv -f <its encoding> -t utf-8) or remove those lines")
+
+
 def json_lines(path: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
     """("line n", record) of every non-blank line."""
     records = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(utf8_text(path.read_bytes(), f"eval.path={cfg.path}").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -134,7 +155,7 @@ def json_lines(path: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
 def json_list(path: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
     """("record n", record) of a .json file holding a list (ShareGPT's dumps are such files)."""
     try:
-        records = json.loads(path.read_text(encoding="utf-8"))
+        records = json.loads(utf8_text(path.read_bytes(), f"eval.path={cfg.path}"))
     except json.JSONDecodeError as e:
         raise UserError(f"eval.path={cfg.path}: not JSON ({e.msg} at line {e.lineno} column {e.colno}); "
                         f"JSON Lines files end with .jsonl") from None

@@ -43,10 +43,14 @@ from typing import Callable
 import datasets
 import jinja2
 import lightning as L
+import pyarrow
+import pyarrow.parquet
 import torch
+from datasets.exceptions import DatasetGenerationError
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, IterableDataset
 from tqdm import tqdm
+from transformers import AutoConfig
 
 from common.config import UserError, at_least, one_of, require
 from common.corpus import (
@@ -58,6 +62,8 @@ from common.corpus import (
     split_of,
     stdlib_files,
 )
+from inference.evalsets import utf8_text
+from speculators import gguf_file
 
 LAYOUTS = ("text", "prompt_completion", "sharegpt", "messages")
 CHAT_FIELDS = {"sharegpt": ("conversations", "from", "value"), "messages": ("messages", "role", "content")}
@@ -121,6 +127,29 @@ class DataConfig:
                     f"above data.skip_examples={self.skip_examples}")
 
 
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")  # a config's context, by family
+
+
+def check_context(cfg: DataConfig, target) -> None:
+    """Refuse a data.seq_len over the context of the target (TargetConfig `target`), as serving does, from its
+    config alone: before its weights load. A target whose config cannot be read is left to the load to refuse."""
+    config = target_config(target)
+    config = config.get_text_config() if config is not None else None  # a multimodal checkpoint's language model
+    context = next((value for key in CONTEXT_KEYS if isinstance(value := getattr(config, key, None), int)), None)
+    if context is not None and cfg.seq_len > context:
+        raise UserError(f"data.seq_len={cfg.seq_len} is over target {target.name}'s context of {context} positions; "
+                        f"set data.seq_len to at most {context}")
+
+
+def target_config(target):
+    """The transformers config of the target's folder (a GGUF's converted one), or None if it cannot be read."""
+    folder = gguf_file.converted_folder(target.gguf_file) if target.gguf_file else target.name_or_path
+    try:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=target.trust_remote_code)
+    except (OSError, ValueError):
+        return None
+
+
 # Loading: rows of the chosen layout, split by hash -------------------------------------------
 
 def load_examples(cfg: DataConfig) -> dict:
@@ -179,7 +208,7 @@ def read_path(path: Path) -> tuple[list[dict] | datasets.Dataset, Callable[[int]
 def read_file(path: Path) -> tuple[list[dict] | datasets.Dataset, Callable[[int], str]]:
     """The rows of a local file, and where row i is in it (for error messages)."""
     if path.suffix == ".parquet":
-        return datasets.Dataset.from_parquet(str(path)), lambda i: f"row {i + 1}"
+        return read_parquet(path), lambda i: f"row {i + 1}"
     suffix = Path(path.stem).suffix if path.suffix == ".gz" else path.suffix  # gzip: as the name inside says
     if suffix not in (".json", ".jsonl"):
         raise UserError(f"data.path={path}: expected a .json, .jsonl (either may be gzipped: .jsonl.gz) or .parquet file")
@@ -187,7 +216,7 @@ def read_file(path: Path) -> tuple[list[dict] | datasets.Dataset, Callable[[int]
         data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     except (OSError, EOFError) as e:
         raise UserError(f"data.path={path}: cannot decompress it ({e})") from None
-    text = data.decode("utf-8", errors="replace")
+    text = utf8_text(data, f"data.path={path}")
     if suffix == ".json" and not text.lstrip().startswith("{"):  # a JSON array (an object starts JSON Lines)
         try:
             rows = json.loads(text)
@@ -197,6 +226,19 @@ def read_file(path: Path) -> tuple[list[dict] | datasets.Dataset, Callable[[int]
             raise UserError(f"data.path={path}: expected a JSON array of objects (or JSON Lines)")
         return rows, lambda i: f"item {i + 1}"
     return read_jsonl(path, text)
+
+
+def read_parquet(path: Path) -> datasets.Dataset:
+    """A parquet file's rows; a truncated or damaged one is refused by name (its footer first: datasets would log
+    pyarrow's error before raising it)."""
+    try:
+        pyarrow.parquet.ParquetFile(path)
+        return datasets.Dataset.from_parquet(str(path))
+    except (pyarrow.ArrowException, DatasetGenerationError, OSError) as e:
+        cause = e.__cause__ or e  # datasets wraps what pyarrow raised while reading the row groups
+        reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise UserError(f"data.path={path}: not a readable parquet file ({reason}); truncated or damaged? copy or "
+                        "export it again") from None
 
 
 def read_jsonl(path: Path, text: str) -> tuple[list[dict], Callable[[int], str]]:

@@ -121,11 +121,11 @@ class Tally:
 def regenerate(cfg: RegenerateConfig) -> Path:
     out = Path(cfg.out)
     python = vllm_venv.venv_python(cfg.vllm_python, "or another engine=") if cfg.engine == "vllm" else None
+    rows = chosen_rows(cfg)  # before the target: a bad data file is refused in seconds, not after minutes of loading
     # Generation reads no features; the other engines generate elsewhere: the target without its decoder layers
     # (its tokenizer and fingerprint, the same as the whole target's).
     target = FrozenTarget.load(replace(cfg.target, layer_ids=[]), cfg.quant, layers=cfg.engine == "transformers")
     template = chat_template(cfg.data, target.tokenizer)
-    rows = chosen_rows(cfg)
     shards = Shards(out, cfg.shard_size)
     done = resume(cfg, target, shards, python)
     if done:
