@@ -26,7 +26,16 @@ overwrite=true for a folder grown by train/regenerate.py (a larger data.max_exam
 rows are computed, since whole examples are packed in order and the old rows come first.
 
 index.json records what the cache was built from; training refuses a cache whose target
-weights, layer ids, quantization, data rows, storage dtype or seq_len differ from its own.
+weights, layer ids, quantization, data rows, storage dtype or seq_len differ from its own. The target is told
+apart by its embeddings and lm_head (target_fingerprint) and by sampled rows of every weight in its files
+(layers_fingerprint: a fine-tune of the decoder layers alone has the same embeddings).
+
+Every shard, progress.json and index.json is written whole or not at all (a temporary file, fsynced, renamed
+into place). index.json records each shard's size and sha256 (hashed from the bytes as they are written):
+training checks every shard's size when it opens the cache and its checksum when it first reads from it (about
+0.6 s per GiB here, once per shard and process), and refuses a missing, truncated or damaged shard in one line.
+A rebuild with overwrite=true checks the shards it would keep the same way and recomputes only the bad ones.
+A cache from before these checksums is refused, asking for a rebuild.
 """
 
 import hashlib
@@ -39,9 +48,10 @@ from pathlib import Path
 
 import hydra
 import torch
+from huggingface_hub import snapshot_download
 from omegaconf import DictConfig
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from tqdm import tqdm
 
 from common.config import UserError, exit_on_user_error, run_cli, to_dataclass
@@ -49,14 +59,18 @@ from engines import vllm_venv
 from speculators import gguf_file
 from speculators.export import check_writable, move_into_place
 from speculators.target import FrozenTarget
-from train.data import TextDataModule, load_examples
+from train.data import TextDataModule, check_context, load_examples
 from train.recipes import DrafterRecipe
 
 STORED = {"bfloat16": torch.bfloat16, "float8_e4m3": torch.float8_e4m3fn, "float32": torch.float32}
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 SHARD_BYTES = 1 << 30
-SETTINGS = ("target_fingerprint", "layer_ids", "quant", "dtype", "seq_len")  # what a shard's bytes depend on
+SETTINGS = ("target_fingerprint", "layers_fingerprint", "layer_ids", "quant", "dtype", "seq_len")  # what a shard's
+# bytes depend on
 CHECKED = (*SETTINGS, "data_fingerprint")
+CHECKSUM = "sha256"  # 1.7 GiB/s here with the CPU's SHA instructions (blake2b: 1.2)
+SAMPLED_ROWS = 16  # rows of each weight layers_fingerprint reads
+REBUILD = "rebuild it with `python -m train.hidden_cache`, this run's config and overwrite=true"
 
 
 def identity(recipe, target: FrozenTarget, data: TextDataModule) -> dict:
@@ -64,9 +78,47 @@ def identity(recipe, target: FrozenTarget, data: TextDataModule) -> dict:
     rows = hashlib.sha256()
     for tensor in (data.train_rows, data.train_mask, data.val_rows, data.val_mask):
         rows.update(tensor.contiguous().numpy().tobytes())
-    return {"target": target.name_or_path, "target_fingerprint": target.fingerprint(), "layer_ids": target.layer_ids,
+    return {"target": target.name_or_path, "target_fingerprint": target.fingerprint(),
+            "layers_fingerprint": layers_fingerprint(recipe.target), "layer_ids": target.layer_ids,
             "quant": asdict(recipe.quant), "dtype": recipe.data.cache_dtype, "seq_len": recipe.data.seq_len,
             "data_fingerprint": rows.hexdigest()[:16]}
+
+
+def layers_fingerprint(cfg) -> str:
+    """A hash of SAMPLED_ROWS rows of every weight in the target's files (TargetConfig `cfg`), by name and float32
+    value, so a re-sharded or re-saved copy of the same weights matches. Memory-mapped: the rows alone are read."""
+    folder = weights_folder(cfg)
+    files = sorted(folder.glob("*.safetensors")) if folder else []
+    if not files:
+        return "unknown (no safetensors weights)"
+    digest, opened = hashlib.sha256(), {}
+    for file in files:
+        handle = safe_open(str(file), "pt")
+        opened.update((name, handle) for name in handle.keys())
+    for name in sorted(opened):
+        digest.update(name.encode() + sampled_rows(opened[name].get_slice(name)).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def sampled_rows(weight) -> torch.Tensor:
+    """SAMPLED_ROWS evenly spaced rows of a safetensors slice (all of a 1-d or 0-d one), in float32."""
+    shape = weight.get_shape()
+    if len(shape) < 2:
+        return weight[:].float().reshape(-1)
+    step = max(1, shape[0] // SAMPLED_ROWS)
+    return torch.cat([weight[i : i + 1] for i in range(0, shape[0], step)[:SAMPLED_ROWS]]).float()
+
+
+def weights_folder(cfg) -> Path | None:
+    """The folder holding the target's weight files: its own, the one its GGUF converts to, or the hub's snapshot."""
+    if cfg.gguf_file:
+        return gguf_file.converted_folder(cfg.gguf_file)
+    if Path(cfg.name_or_path).is_dir():
+        return Path(cfg.name_or_path)
+    try:  # loaded already, so in the hub's cache
+        return Path(snapshot_download(cfg.name_or_path, local_files_only=True, allow_patterns=["*.safetensors"]))
+    except Exception:  # not cached (offline hub errors are of many kinds): nothing to read
+        return None
 
 
 def encode(hidden: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
@@ -90,8 +142,10 @@ def build(recipe, device: str = "cpu") -> Path:
     check_writable(out, recipe.overwrite)
     vllm = recipe.data.cache_engine == "vllm"
     python = vllm_venv.venv_python(None, "or build with data.cache_engine=transformers") if vllm else None
+    check_context(recipe.data, recipe.target)
+    examples = load_examples(recipe.data)  # before the target: a bad data file is refused in seconds, not minutes
     target = FrozenTarget.load(recipe.target, recipe.quant, layers=not vllm).to(device)
-    data = TextDataModule(recipe.data, load_examples(recipe.data), target.tokenizer, recipe.seed)
+    data = TextDataModule(recipe.data, examples, target.tokenizer, recipe.seed)
     data.setup("fit")
     built_from = identity(recipe, target, data)
     partial = out.with_name(out.name + ".partial")
@@ -99,7 +153,7 @@ def build(recipe, device: str = "cpu") -> Path:
     row_values = (len(target.layer_ids) + 1) * recipe.data.seq_len * target.hidden_size
     splits = {"train": data.train_rows, "validation": data.val_rows}
     plan = shard_plan(splits, max(1, SHARD_BYTES // (row_values * STORED[recipe.data.cache_dtype].itemsize)))
-    taken = [(len(rows), progress.reusable[fp].parent) for *_, rows, fp in plan if fp in progress.reusable]
+    taken = [(len(rows), progress.reusable[fp][0].parent) for *_, rows, fp in plan if fp in progress.reusable]
     total = sum(len(rows) for rows in splits.values())
     if taken:
         sources = " and ".join(sorted({str(folder) for _, folder in taken}))
@@ -117,11 +171,11 @@ def build(recipe, device: str = "cpu") -> Path:
         states.close()
     progress.remove_unused()
     tokens = total * recipe.data.seq_len
-    size = sum((partial / shard["file"]).stat().st_size for split in progress.shards.values() for shard in split)
+    size = sum(shard["bytes"] for split in progress.shards.values() for shard in split)
     index = {**built_from, "engine": states.engine, "target_dtype": recipe.target.dtype, "hidden_size": target.hidden_size,
              "rows": {split: len(rows) for split, rows in splits.items()},
              "bytes": size, "bytes_per_token": size / tokens, "shards": progress.shards}
-    (partial / "index.json").write_text(json.dumps(index, indent=2))
+    write_atomically(partial / "index.json", json.dumps(index, indent=2).encode())
     progress.path.unlink()
     move_into_place(partial, out)
     print(f"hidden-state cache: {out}: {tokens} tokens in {size / 2**20:.1f} MiB, {size / tokens:.1f} bytes per token "
@@ -149,6 +203,54 @@ def same_settings(record: dict | None, built_from: dict) -> bool:
     return record is not None and all(record.get(key) == built_from[key] for key in SETTINGS)
 
 
+def read_record(path: Path) -> dict | None:
+    """A progress.json or index.json, or None where there is none or it cannot be read (a build replaces it)."""
+    try:
+        record = json.loads(path.read_bytes())
+    except (OSError, ValueError):  # ValueError: JSON or UTF-8
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("shards"), dict) else None
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`path` holds all of `data` or what it held before: written beside it, fsynced, renamed over it."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself
+    finally:
+        os.close(folder)
+
+
+def save_shard(tensors: dict[str, torch.Tensor], path: Path) -> dict:
+    """Write a shard atomically; its size and checksum, hashed from the bytes written, for the index."""
+    data = save(tensors)
+    write_atomically(path, data)
+    return {"bytes": len(data), CHECKSUM: hashlib.new(CHECKSUM, data).hexdigest()}
+
+
+def shard_problem(path: Path, record: dict, checksum: bool = True) -> str | None:
+    """What is wrong with a shard file against its record (missing, another size, other bytes), or None."""
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        return f"{size} bytes where the index records {record['bytes']} (truncated?)"
+    if checksum:
+        with open(path, "rb") as f:
+            if hashlib.file_digest(f, CHECKSUM).hexdigest() != record[CHECKSUM]:
+                return f"damaged (its {CHECKSUM} is not the one the index records)"
+    return None
+
+
 class Progress:
     """The shards a build has finished in its .partial folder, recorded after each one, and the
     shards it may take instead of computing: those a stopped build with the same settings left in
@@ -156,37 +258,45 @@ class Progress:
 
     def __init__(self, folder: Path, built_from: dict, previous: Path):
         self.folder, self.path, self.built_from = folder, folder / "progress.json", built_from
-        stopped = json.loads(self.path.read_text()) if self.path.is_file() else None
+        stopped = read_record(self.path)
         if not same_settings(stopped, built_from):
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
             stopped = None
-        replaced = json.loads((previous / "index.json").read_text()) if (previous / "index.json").is_file() else None
-        self.reusable: dict[str, Path] = {}  # rows fingerprint -> a shard file holding those rows
+        replaced = read_record(previous / "index.json")
+        self.reusable: dict[str, tuple[Path, dict]] = {}  # rows fingerprint -> a shard file holding those rows
         for source, record in ((previous, replaced), (folder, stopped)):
             if same_settings(record, built_from):
                 for shard in (shard for shards in record["shards"].values() for shard in shards):
-                    if "rows_fingerprint" in shard and shard.get("greedy"):  # caches built before these are rebuilt
-                        self.reusable[shard["rows_fingerprint"]] = source / shard["file"]
+                    if {"rows_fingerprint", "greedy", CHECKSUM} <= set(shard):  # caches built before these are rebuilt
+                        self.reusable[shard["rows_fingerprint"]] = (source / shard["file"], shard)
         self.shards: dict[str, list[dict]] = {}
 
     def take(self, split: str, name: str, fingerprint: str, rows: int) -> bool:
-        """Record the shard `name` from an earlier build of the same rows (hard-linked), if there is one."""
-        source, target = self.reusable.get(fingerprint), self.folder / name
+        """Record the shard `name` from an earlier build of the same rows (hard-linked), if there is one and it is
+        whole: a damaged shard is computed again."""
+        source, record = self.reusable.get(fingerprint, (None, None))
         if source is None:
             return False
+        problem = shard_problem(source, record)
+        if problem:
+            print(f"hidden-state cache: {source} is {problem}: computing it again")
+            return False
+        target = self.folder / name
         if source != target:
             target.unlink(missing_ok=True)
             try:
                 os.link(source, target)
             except OSError:  # another file system
                 shutil.copyfile(source, target)
-        self.add(split, name, rows, fingerprint)
+        self.add(split, name, rows, fingerprint, {key: record[key] for key in ("bytes", CHECKSUM)})
         return True
 
-    def add(self, split: str, name: str, rows: int, fingerprint: str) -> None:
-        self.shards.setdefault(split, []).append({"file": name, "rows": rows, "rows_fingerprint": fingerprint, "greedy": True})
-        self.path.write_text(json.dumps({**self.built_from, "shards": self.shards}, indent=2))
+    def add(self, split: str, name: str, rows: int, fingerprint: str, written: dict) -> None:
+        """Record a finished shard with its size and checksum (`written`)."""
+        shard = {"file": name, "rows": rows, "rows_fingerprint": fingerprint, "greedy": True, **written}
+        self.shards.setdefault(split, []).append(shard)
+        write_atomically(self.path, json.dumps({**self.built_from, "shards": self.shards}, indent=2).encode())
 
     def remove_unused(self) -> None:
         """Delete what a stopped build of other rows left in .partial."""
@@ -204,8 +314,8 @@ def write_shard(states, target: FrozenTarget, rows: torch.Tensor, cfg, progress:
         greedy.append(greedy_tokens(target, last_hidden).cpu())
         bar.update(len(last_hidden))
     split, name, fingerprint = shard
-    save_file(encode(torch.cat(parts), cfg.cache_dtype) | {"greedy": torch.cat(greedy)}, progress.folder / name)
-    progress.add(split, name, len(rows), fingerprint)
+    written = save_shard(encode(torch.cat(parts), cfg.cache_dtype) | {"greedy": torch.cat(greedy)}, progress.folder / name)
+    progress.add(split, name, len(rows), fingerprint, written)
 
 
 class TargetStates:
@@ -298,20 +408,43 @@ def check_logits_recomputable(target: FrozenTarget, out) -> None:
 
 # Reading ----------------------------------------------------------------------------------------
 
+class Shard:
+    """One shard file of a cache, memory-mapped when a row is first read from it, after its checksum is checked."""
+
+    def __init__(self, folder: Path, record: dict):
+        self.folder, self.path, self.record, self.rows = folder, folder / record["file"], record, record["rows"]
+        self.file = None
+
+    def check(self, checksum: bool) -> None:
+        problem = shard_problem(self.path, self.record, checksum)
+        if problem:
+            raise UserError(f"data.cache_dir={self.folder}: shard {self.record['file']} is {problem}; {REBUILD} "
+                            "(it recomputes only missing and damaged shards)")
+
+    def opened(self):
+        if self.file is None:
+            self.check(checksum=True)
+            self.file = safe_open(str(self.path), "pt")
+        return self.file
+
+
 class HiddenCache:
-    """A built cache; rows are read from the memory-mapped shards as batches ask for them."""
+    """A built cache; rows are read from the memory-mapped shards as batches ask for them. Every shard's size is
+    checked here, its checksum when a row is first read from it (a pass over its bytes)."""
 
     def __init__(self, folder: Path, index: dict):
-        self.shards = {split: [(safe_open(str(folder / shard["file"]), "pt"), shard["rows"]) for shard in shards]
-                       for split, shards in index["shards"].items()}
+        self.shards = {split: [Shard(folder, record) for record in records] for split, records in index["shards"].items()}
+        for shard in (shard for shards in self.shards.values() for shard in shards):
+            shard.check(checksum=False)
 
     def row(self, split: str, i: int) -> dict[str, torch.Tensor]:
         """{"aux_hidden": [len(layer_ids), T, H], "last_hidden": [T, H]} in float32 and "greedy" [T] (int64; not in
         caches built before it was stored), of row i of `split`."""
-        for shard, rows in self.shards[split]:
-            if i < rows:
+        for shard in self.shards[split]:
+            if i < shard.rows:
                 break
-            i -= rows
+            i -= shard.rows
+        shard = shard.opened()
         stored = {name: shard.get_slice(name)[i : i + 1] for name in shard.keys()}
         greedy = stored.pop("greedy", None)
         hidden = decode(stored)[0]
@@ -321,10 +454,7 @@ class HiddenCache:
 def open_cache(recipe, target: FrozenTarget, data: TextDataModule) -> HiddenCache:
     """The cache at data.cache_dir, if it was built from this run's target, data and settings."""
     folder = Path(recipe.data.cache_dir)
-    if not (folder / "index.json").is_file():
-        raise UserError(f"data.cache_dir={folder} holds no hidden-state cache (no index.json); build it with "
-                        "`python -m train.hidden_cache` and this run's config")
-    index = json.loads((folder / "index.json").read_text())
+    index = read_index(folder)
     expected = identity(recipe, target, data)
     for key in CHECKED:
         if index[key] != expected[key]:
@@ -333,6 +463,21 @@ def open_cache(recipe, target: FrozenTarget, data: TextDataModule) -> HiddenCach
             raise UserError(f"data.cache_dir={folder} was built for {key} {built}, this run has {key} {wanted}; "
                             "rebuild it with `python -m train.hidden_cache` and this run's config")
     return HiddenCache(folder, index)
+
+
+def read_index(folder: Path) -> dict:
+    """index.json of the cache at `folder`, refused in one line when missing, unreadable or from before checksums."""
+    if not (folder / "index.json").is_file():
+        raise UserError(f"data.cache_dir={folder} holds no hidden-state cache (no index.json); build it with "
+                        "`python -m train.hidden_cache` and this run's config")
+    index = read_record(folder / "index.json")
+    if index is None:
+        raise UserError(f"data.cache_dir={folder}: index.json is not a cache index (damaged?); {REBUILD}")
+    records = [shard for shards in index["shards"].values() for shard in shards]
+    if any(key not in index for key in CHECKED) or not all(isinstance(s, dict) and CHECKSUM in s for s in records):
+        raise UserError(f"data.cache_dir={folder} was built before caches recorded their shards' checksums and the "
+                        f"target's layers; {REBUILD}")
+    return index
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
