@@ -95,6 +95,15 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(llama_target, tmp_
     assert [resumed[s] for s in (4, 5, 6)] == [straight[s] for s in (4, 5, 6)]
 
 
+def test_the_last_step_is_checkpointed_off_the_interval_and_resumes_exactly(llama_target, tmp_path):
+    """4 steps, checkpoints every 3: last.ckpt still holds step 4 (what the recipe exports), and goes on from there."""
+    straight = train(llama_target, tmp_path / "straight", max_steps=6)
+    train(llama_target, tmp_path / "first", max_steps=4)
+    assert torch.load(tmp_path / "first" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+    resumed = train(llama_target, tmp_path / "resumed", max_steps=6, resume=str(tmp_path / "first"))
+    assert sorted(resumed) == [5, 6] and [resumed[s] for s in (5, 6)] == [straight[s] for s in (5, 6)]
+
+
 @pytest.fixture
 def interactive_sigint():
     """Ctrl-C as in a terminal (CI runs us in the background, where SIGINT is ignored)."""

@@ -124,9 +124,19 @@ def fit(trainer: L.Trainer, module: L.LightningModule, datamodule, resume: str |
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    save_final_checkpoint(trainer)
     if trainer.is_global_zero:
         (Path(trainer.default_root_dir) / UNFINISHED).write_text(
             f"training finished at step {trainer.global_step}; its result and closing report are not written yet "
             f"(resume=<this run directory> finishes them)\n")
 
 
+
+
+def save_final_checkpoint(trainer: L.Trainer) -> None:
+    """last.ckpt at the step training ended, when the checkpoint interval did not fall there: the weights the
+    recipe exports, so a resume after a kill in the closing report has nothing left to train. Every process
+    calls it (under fsdp saving gathers the shards)."""
+    callback = trainer.checkpoint_callback
+    if callback._last_global_step_saved != trainer.global_step:  # Lightning's record of its latest save
+        trainer.save_checkpoint(Path(callback.dirpath) / "last.ckpt", weights_only=False)
