@@ -196,13 +196,15 @@ def two_processes(target_dir: Path, out: Path, strategy: str, *resume: str) -> s
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_one_process_resumed_by_two_trains_as_one_uninterrupted(llama_dir, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_one_process_resumed_by_two_trains_as_one_uninterrupted(strategy, llama_dir, tmp_path):
     """A run continued on more processes (here 1 by 2; 2 by 1 above) with the same global batch: the same
     rows in each step, the same losses and weights as the run that went on with one, to rounding (the
-    order in which a step's rows are summed is what differs)."""
+    order in which a step's rows are summed is what differs). Its last step is off the checkpoint interval:
+    the checkpoint saved when training ends (train.trainer.save_final_checkpoint) is taken by every process."""
     train(str(llama_dir), devices=1, max_steps=DDP_STEPS, run_dir=tmp_path / "first")
     out = tmp_path / "resumed_by_two.json"
-    two = two_processes(llama_dir, out, "ddp", str(tmp_path / "first"))
+    two = two_processes(llama_dir, out, strategy, str(tmp_path / "first"))
     last = DDP_STEPS + 2
     straight, _ = train(str(llama_dir), devices=1, max_steps=last, run_dir=tmp_path / "straight", weights_at=(last,))
     _, stderr = two.communicate(timeout=600)
@@ -214,15 +216,17 @@ def test_one_process_resumed_by_two_trains_as_one_uninterrupted(llama_dir, tmp_p
     differences = [abs(resumed["losses"][str(s)] - straight.losses[s]) / straight.losses[s] for s in (DDP_STEPS + 1, last)]
     weights = torch.load(out.with_suffix(".pt"), weights_only=True)
     drift = max(float((weights[n] - straight.weights[last][n]).abs().max()) for n in weights)
-    print(f"1 process resumed by 2: relative loss differences {differences}, largest weight difference {drift:.2e}")
+    print(f"1 process resumed by 2 ({strategy}): relative loss differences {differences}, largest weight difference {drift:.2e}")
     assert max(differences) < TOLERANCE and drift < WEIGHT_TOLERANCE
+    final = torch.load(tmp_path / "resumed_by_two" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert final["global_step"] == last and final["TextDataModule"]["rows_consumed"] == last * GLOBAL_BATCH
 
 
 if __name__ == "__main__":
     target_dir, out, strategy, *resume = sys.argv[1], Path(sys.argv[2]), sys.argv[3], *sys.argv[4:]
     if resume:
         record, trainer = train(target_dir, devices=2, max_steps=DDP_STEPS + 2, run_dir=out.parent / "resumed_by_two",
-                                resume=resume[0], weights_at=(DDP_STEPS + 2,))
+                                resume=resume[0], strategy=strategy, weights_at=(DDP_STEPS + 2,))
     else:
         record, trainer = train(target_dir, devices=2, max_steps=DDP_STEPS, run_dir=out.parent / strategy,
                                 strategy=strategy)

@@ -64,6 +64,20 @@ class DrafterModule(L.LightningModule):
     def configure_optimizers(self):
         return configure(list(self.drafter.parameters()), self.optim, self.max_steps)
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Key the optimizer state by each parameter's place in self.parameters(), as Lightning's fsdp saves it,
+        not by its place in the optimizer's groups (frozen embeddings left out, matrices first): Lightning
+        reads a whole checkpoint's keys that way when a run resumes under fsdp. Loading without fsdp pairs
+        them by their order in the groups, which this keeps."""
+        if isinstance(self.drafter, FSDPModule):  # saved by Lightning's fsdp, keyed that way already
+            return
+        place = {id(p): i for i, p in enumerate(self.parameters())}
+        for optimizer, state in zip(self.trainer.optimizers, checkpoint.get("optimizer_states", [])):
+            key = {i: place[id(p)] for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+            state["state"] = {key[i]: value for i, value in state["state"].items()}
+            for group in state["param_groups"]:
+                group["params"] = [key[i] for i in group["params"]]
+
 
 @contextlib.contextmanager
 def unsharded(drafter: torch.nn.Module):
