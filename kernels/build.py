@@ -5,7 +5,8 @@ build killed (SIGKILL, a lost node) leaves that file, and every later load waits
 build first takes an flock on `owner` in the folder, which the kernel releases when its holder dies,
 whatever killed it: holding it, no other live run of ours is building there, so a torch lock found
 then was left by a dead build and is cleared (one line says so). `owner` records the holder's pid and
-host for that line.
+host, for that line and for filesystems without flock, where a lock whose recorded owner is a process
+of this host that no longer runs is cleared.
 
 The folder is keyed by a hash of the sources, the flags and torch's version: two checkouts with
 different kernel sources (or torch builds) each keep their own build instead of rebuilding each other's.
@@ -61,10 +62,11 @@ def load_library(name: str, sources: Sequence[Path], cflags: Sequence[str], ldfl
 def build_lock(build: Path):
     """Hold the folder's flock for a build; clear the torch lock a dead build left there."""
     with open(build / "owner", "a+") as owner:
-        fcntl.flock(owner, fcntl.LOCK_EX)  # waits for a live build; a dead one's lock is already gone
+        locked = take_flock(owner)  # waits for a live build; a dead one's flock is already gone
         owner.seek(0)
         previous = owner.read().strip()
-        clear_stale_torch_lock(build, previous)
+        if locked or owner_is_dead(previous):
+            clear_stale_torch_lock(build, previous)
         owner.seek(0)
         owner.truncate()
         owner.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -72,7 +74,30 @@ def build_lock(build: Path):
         try:
             yield
         finally:
-            fcntl.flock(owner, fcntl.LOCK_UN)
+            if locked:
+                fcntl.flock(owner, fcntl.LOCK_UN)
+
+
+def take_flock(file) -> bool:
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        return True
+    except OSError:  # a filesystem without locks (some NFS): the recorded owner's pid decides
+        return False
+
+
+def owner_is_dead(owner: str) -> bool:
+    """Whether `pid N on HOST` names a process of this host that no longer runs."""
+    words = owner.split()
+    if len(words) != 4 or words[2] != "on" or words[3] != socket.gethostname() or not words[1].isdigit():
+        return False
+    try:
+        os.kill(int(words[1]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 def clear_stale_torch_lock(build: Path, previous_owner: str) -> None:

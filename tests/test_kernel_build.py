@@ -110,3 +110,19 @@ def test_the_cpu_kernel_loads_past_a_lock_a_killed_build_left(cpu_kernel):
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert child.returncode == 0, child.stderr
     assert "cleared" in child.stderr and not (folder / "lock").exists()
+
+
+def test_without_flock_a_lock_whose_recorded_owner_is_dead_is_cleared(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(build, "take_flock", lambda file: False)  # a filesystem without locks (some NFS)
+    host = build.socket.gethostname()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid: a process of this host that no longer runs
+    assert build.owner_is_dead(f"pid {dead.pid} on {host}")
+    assert not build.owner_is_dead(f"pid {os.getpid()} on {host}")  # alive
+    assert not build.owner_is_dead(f"pid {dead.pid} on another-host")  # cannot tell: left alone
+    (tmp_path / "owner").write_text(f"pid {dead.pid} on {host}\n")
+    (tmp_path / "lock").touch()
+    with build.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        assert (tmp_path / "owner").read_text() == f"pid {os.getpid()} on {host}\n"
+    assert f"left by a build that was killed (pid {dead.pid} on {host}, no longer running)" in capsys.readouterr().err
