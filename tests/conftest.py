@@ -186,6 +186,7 @@ def cpu_kernel():
 SLOW = {
     "test_batch.py": {"test_batch_sampling_emits_the_target_distribution"},
     "test_batch_sweep.py": {"test_command_line_end_to_end"},
+    "test_cache_integrity.py": {"test_train_cli_refuses_a_flipped_shard_in_one_line"},
     "test_chat_data.py": {"test_train_eagle3_on_sharegpt_end_to_end"},
     "test_cli.py": {"test_train_eagle3_end_to_end"},
     "test_compare.py": {"test_cli_end_to_end"},

@@ -215,3 +215,24 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         hidden_cache.write_atomically(path, b"new")
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["progress.json"]
+
+
+def test_train_cli_refuses_a_flipped_shard_in_one_line(llama_dir, data_file, cache, tmp_path):  # noqa: F811
+    """Found at a shard's first read, inside the training loop: still one line, and no step trained on it."""
+    from test_cli import run_train
+    from test_reliability import one_line_error
+
+    folder = copy_of(cache, tmp_path)
+    for name in shard_names(folder):  # every train shard: the first batch reads one
+        shard = folder / name
+        shard.write_bytes(flip_bytes(shard.read_bytes(), len(shard.read_bytes()) // 2))
+    run_dir = tmp_path / "run"
+    args = ["conf=eagle3_pycode", "data=text", f"data.path={data_file}", f"data.seq_len={SEQ_LEN}", "data.batch_size=2",
+            "data.max_val_sequences=4", "data.hidden_states=cache", f"data.cache_dir={folder}",
+            f"target.name_or_path={llama_dir}", "target.layer_ids=[" + ",".join(map(str, LAYER_IDS)) + "]",
+            "trainer.num_threads=1", "logger=none", "trainer.max_steps=2", "drafter.depth=2",
+            "drafter.draft_vocab_size=64", "serve_eval.every_n_steps=0", "trainer.progress_bar=false",
+            f"hydra.run.dir={run_dir}"]
+    result = run_train(args, cwd=tmp_path, timeout=600)
+    assert "is damaged (its sha256 is not the one the index records)" in one_line_error(result.returncode, result.stderr)
+    assert not list(run_dir.glob("checkpoints/*.ckpt")) and not (run_dir / "export").exists()
