@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import UserError, at_least, one_of, require
+from inference.planning import logit
 from inference.sessions import BatchSlots, open_session
 from speculators.target import TargetOutput
 
@@ -41,6 +42,10 @@ class DraftingConfig:
     prompt_lookup_tokens: int | None = None  # tokens in a lookup chain; None: K
     chain_min_prob: float = 0.0  # > 0: an EAGLE chain stops before a draft its drafter's top probability is below
     # (llama.cpp's --draft-p-min); the first draft is always made, as verifying it costs next to nothing
+    plan: bool = False  # verify the prefix with the most expected tokens per second (inference/planning.py), up to K
+    cost_table: str | None = None  # the target's step costs (planning.StepCosts); null: cached per target and machine
+    remeasure: bool = False  # measure the step costs again even where a table is cached
+    calibration: str | None = None  # per-position temperatures (sts.json); null: the drafter's own, if it has them
 
     def __post_init__(self):
         one_of("drafting.mode", self.mode, ("chain", "tree"))
@@ -50,6 +55,10 @@ class DraftingConfig:
                 "drafting.prompt_lookup_max", self.prompt_lookup_max,
                 f"0 (off) or at least drafting.prompt_lookup_min={self.prompt_lookup_min}")
         require(0 <= self.chain_min_prob < 1, "drafting.chain_min_prob", self.chain_min_prob, "in [0, 1) (0: off)")
+        require(not (self.plan and self.chain_min_prob), "drafting.chain_min_prob", self.chain_min_prob,
+                "0 with drafting.plan=true (the plan decides where a chain stops)")
+        require(not (self.plan and self.mode == "tree"), "drafting.plan", self.plan,
+                "false with drafting.mode=tree (plans verify a prefix of a chain)")
 
     def check_batch(self, batch_size: int) -> None:
         """Batches draft fixed-length chains: refuse what drafts one prompt at a time, with one line."""
@@ -61,9 +70,9 @@ class DraftingConfig:
         if self.prompt_lookup_max:
             raise UserError(f"drafting.prompt_lookup_max={self.prompt_lookup_max}: n-gram lookup drafts one prompt "
                             f"at a time; use batch_size=1 (or drafting.prompt_lookup_max=0)")
-        if self.chain_min_prob:
-            raise UserError(f"drafting.chain_min_prob={self.chain_min_prob}: chains of their own length draft one "
-                            f"prompt at a time; use batch_size=1 (or drafting.chain_min_prob=0)")
+        if self.chain_min_prob or self.plan:
+            raise UserError("drafting.chain_min_prob / drafting.plan: chains of their own length draft one "
+                            "prompt at a time; use batch_size=1")
 
     def lookup_length(self, k: int) -> int:
         """Tokens in a lookup chain next to the drafter's K; 0 with lookup off."""
@@ -76,10 +85,17 @@ class Draft:
     parents: list[int]  # index of each node's parent in `tokens`; -1 = the root
     probs: torch.Tensor | None = None  # [n, V] draft distribution q per node (chain sampling only)
     looked_up: bool = False  # an n-gram lookup's chain (LookupProposer), not the drafter's
+    estimates: list[float] | None = None  # per chain node: the calibrated chance it is accepted if its parent is
 
     @classmethod
-    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None, looked_up: bool = False) -> "Draft":
-        return cls(tokens, list(range(-1, len(tokens) - 1)), probs, looked_up)
+    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None, looked_up: bool = False,
+              estimates: list[float] | None = None) -> "Draft":
+        return cls(tokens, list(range(-1, len(tokens) - 1)), probs, looked_up, estimates)
+
+    def prefix(self, n: int) -> "Draft":
+        """The chain's first n drafts."""
+        return Draft.chain(self.tokens[:n], None if self.probs is None else self.probs[:n], self.looked_up,
+                           None if self.estimates is None else self.estimates[:n])
 
     @property
     def is_chain(self) -> bool:
@@ -120,6 +136,8 @@ class DrafterCacheProposer:
     """A trained drafter with a cache of its own over the verified positions; the prefill reads the
     prompt's target features, position t with token t+1 (the first emitted token last)."""
 
+    planner = None  # an inference.planning.Planner: how many drafts to verify (drafting.plan)
+
     def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig, device=None):
         self.drafter, self.k, self.vocab_size, self.device = drafter, k, vocab_size, device
         self.to_target = drafter.draft_to_target  # draft id -> target id, once per generation
@@ -146,13 +164,19 @@ class ChainProposer(DrafterCacheProposer):
                                                      self.drafter.features(target_out))
 
     def propose(self, temperature: float, generator: torch.Generator) -> Draft:
-        verified, tokens, probs = self.cache.length, [], []
+        verified, tokens, probs, estimates = self.cache.length, [], [], []
         logits, hidden = self.logits, self.hidden
         for i in range(self.k):
             if i:
                 logits, hidden = self.drafter.step(self.cache, torch.tensor([tokens[-1:]], device=self.device),
                                                    hidden[:, -1:])
-                if self.min_prob and torch.softmax(logits[0, -1], -1).max() < self.min_prob:
+            top = float(torch.softmax(logits[0, -1], -1).max()) if self.min_prob or self.planner else 1.0
+            if i and self.min_prob and top < self.min_prob:
+                break
+            if self.planner:
+                estimates.append(self.planner.calibrated(i + 1, logit(top)))
+                if i and not self.planner.keep_going(estimates, self.k):
+                    estimates.pop()
                     break
             if temperature == 0:
                 tokens.append(int(self.to_target[logits[0, -1].argmax()]))
@@ -161,7 +185,7 @@ class ChainProposer(DrafterCacheProposer):
                 tokens.append(int(sample(q, generator)))
                 probs.append(q)
         self.cache.crop(verified)
-        return Draft.chain(tokens, torch.stack(probs) if probs else None)
+        return Draft.chain(tokens, torch.stack(probs) if probs else None, estimates=estimates or None)
 
 
 class DynamicTreeProposer(ChainProposer):
@@ -267,6 +291,9 @@ def make_proposer(drafter, k: int, vocab_size: int, max_len: int, drafting: Draf
         raise UserError(f"drafting.mode={drafting.mode!r} is not available for a {type(drafter).__name__}; "
                         f"allowed: {', '.join(modes(drafter))}")
     proposer_class = PROPOSERS[drafter.drafting_kind, drafting.mode]
+    if drafting.plan and proposer_class not in PLANNED:
+        raise UserError(f"drafting.plan verifies a prefix of a chain; a {type(drafter).__name__} in "
+                        f"drafting.mode={drafting.mode} drafts otherwise (set drafting.plan=false)")
     if drafting.chain_min_prob and proposer_class is not ChainProposer:
         raise UserError(f"drafting.chain_min_prob={drafting.chain_min_prob} ends EAGLE chains early; a "
                         f"{type(drafter).__name__} in drafting.mode={drafting.mode} drafts otherwise (set it to 0)")
@@ -293,12 +320,29 @@ class LookupProposer:
         self.sizes = range(drafting.prompt_lookup_max, drafting.prompt_lookup_min - 1, -1)
         self.context: list[int] = []
         self.last_seen: dict[tuple, int] = {}  # n-gram -> where the token after its latest occurrence is
+        self.reached = [0] * self.length  # lookup drafts verified with their position i's parent accepted
+        self.survived = [0] * self.length  # ... and position i accepted too
+        self.looked_up: list[int] | None = None  # the lookup chain being verified
+
+    @property
+    def planner(self):
+        return getattr(self.inner, "planner", None)
+
+    @planner.setter
+    def planner(self, planner) -> None:
+        self.inner.planner = planner
 
     def prefill(self, prompt: list[int], token: int, target_out: TargetOutput) -> None:
         self.extend(prompt + [token])
         self.inner.prefill(prompt, token, target_out)
 
     def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
+        if self.looked_up is not None:
+            accepted = len(new_tokens) - 1
+            for i in range(min(accepted + 1, len(self.looked_up))):
+                self.reached[i] += 1
+                self.survived[i] += i < accepted
+            self.looked_up = None
         self.extend(new_tokens)
         self.inner.accept(new_tokens, target_out)
 
@@ -316,8 +360,15 @@ class LookupProposer:
             after = self.last_seen.get(tuple(self.context[-n:]))
             if after is not None:
                 tokens = self.context[after : after + self.length]
-                return Draft.chain(tokens, point_masses(tokens, self.vocab_size) if temperature else None, True)
+                draft = Draft.chain(tokens, point_masses(tokens, self.vocab_size) if temperature else None, True)
+                draft = planned(self.planner, draft, self.survival_rates(len(tokens)))
+                self.looked_up = draft.tokens
+                return draft
         return self.inner.propose(temperature, generator)
+
+    def survival_rates(self, n: int) -> torch.Tensor:
+        """Lookup's own estimate per position: how often a lookup draft there survived, Laplace-smoothed."""
+        return torch.tensor([(self.survived[i] + 1) / (self.reached[i] + 2) for i in range(n)])
 
 
 def point_masses(tokens: list[int], vocab_size: int) -> torch.Tensor:
@@ -347,13 +398,63 @@ class ParallelProposer(DrafterCacheProposer):
     def propose(self, temperature: float, generator: torch.Generator) -> Draft:
         logits = self.drafter.draft(self.cache, *self.unread, self.k)
         self.unread = None
-        if temperature == 0:
-            return Draft.chain(self.to_target[logits.argmax(-1)].tolist())
-        q = torch.stack([draft_distribution(self.to_target, self.vocab_size, row, temperature) for row in logits])
-        return Draft.chain(sample(q, generator)[:, 0].tolist(), q)
+        draft = independent_drafts(self.to_target, self.vocab_size, logits, temperature, generator)
+        return planned(self.planner, draft, torch.softmax(logits, -1).amax(-1))
+
+
+def independent_drafts(to_target, vocab_size: int, logits: torch.Tensor, temperature: float,
+                       generator: torch.Generator) -> Draft:
+    """A chain of drafts that do not condition on each other, one per row of draft-vocab logits [k, N]: argmax
+    each (greedy), or sample each from q in the target vocabulary (rejection sampling stays lossless for any q)."""
+    if temperature == 0:
+        return Draft.chain(to_target[logits.argmax(-1)].tolist())
+    q = torch.stack([draft_distribution(to_target, vocab_size, row, temperature) for row in logits])
+    return Draft.chain(sample(q, generator)[:, 0].tolist(), q)
+
+
+def planned(planner, draft: Draft, top: torch.Tensor) -> Draft:
+    """The prefix of a chain whose drafts were made at once that the planner verifies (at least one draft), from
+    the drafter's top probability per draft, `top` [n]."""
+    if planner is None:
+        return draft
+    estimates = [planner.calibrated(i + 1, logit(float(p))) for i, p in enumerate(top)]
+    kept = max(planner.best_length(estimates), 1)
+    return Draft.chain(draft.tokens, draft.probs, draft.looked_up, estimates).prefix(kept)
 
 
 PROPOSERS["parallel", "chain"] = ParallelProposer
+
+
+class BlockProposer(ParallelProposer):
+    """DSpark (speculators.dspark): one backbone pass over the block, then its slots decoded left to right, each
+    through the Markov bias of the token before it (the anchor, then the previous draft), argmax or sampled from
+    its own q. Each slot's confidence head gives the estimate a plan reads; with a planner, drafting stops at
+    the first slot not worth verifying (the decision reads the confidence, which depends only on the drafts
+    before that slot, so sampled verification stays lossless). Without one, every slot up to K is drafted."""
+
+    def propose(self, temperature: float, generator: torch.Generator) -> Draft:
+        prev = int(self.unread[0][0, -1])  # the anchor: the token the target just emitted
+        normed = self.drafter.draft_block(self.cache, *self.unread)
+        self.unread = None
+        tokens, probs, estimates, state = [], [], [], None
+        for j in range(self.k):
+            logits, confidence, state = self.drafter.slot(normed[j], prev, state)
+            if self.planner:
+                estimates.append(self.planner.calibrated(j + 1, confidence))
+                if j and not self.planner.keep_going(estimates, self.k):
+                    estimates.pop()
+                    break
+            if temperature == 0:
+                prev = int(self.to_target[logits.argmax()])
+            else:
+                q = draft_distribution(self.to_target, self.vocab_size, logits, temperature)
+                prev = int(sample(q, generator))
+                probs.append(q)
+            tokens.append(prev)
+        return Draft.chain(tokens, torch.stack(probs) if probs else None, estimates=estimates or None)
+
+
+PROPOSERS["block", "chain"] = BlockProposer
 
 
 class MedusaChainProposer:
@@ -375,11 +476,14 @@ class MedusaChainProposer:
     def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
         self.logits = self.drafter.head_logits(target_out.last_hidden[:, -1])[0, : self.k]  # [k, V]
 
+    planner = None
+
     def propose(self, temperature: float, generator: torch.Generator) -> Draft:
+        top = torch.softmax(self.logits, -1).amax(-1)
         if temperature == 0:
-            return Draft.chain(self.logits.argmax(-1).tolist())
+            return planned(self.planner, Draft.chain(self.logits.argmax(-1).tolist()), top)
         q = torch.softmax(self.logits / temperature, -1)
-        return Draft.chain(sample(q, generator)[:, 0].tolist(), q)
+        return planned(self.planner, Draft.chain(sample(q, generator)[:, 0].tolist(), q), top)
 
 
 class MedusaTreeProposer(MedusaChainProposer):
@@ -403,6 +507,7 @@ class MedusaTreeProposer(MedusaChainProposer):
 
 
 PROPOSERS["heads", "chain"] = MedusaChainProposer
+PLANNED = (ChainProposer, ParallelProposer, BlockProposer, MedusaChainProposer)  # proposers a planner trims
 PROPOSERS["heads", "tree"] = MedusaTreeProposer
 
 

@@ -29,6 +29,7 @@ import torch
 import kernels
 from common.config import UserError
 from inference.drafting import Draft, DraftingConfig, make_batch_proposer, make_proposer
+from inference.planning import make_planner
 from inference.sessions import BatchSlots, open_session
 from speculators.target import FrozenTarget, TargetOutput
 
@@ -51,6 +52,8 @@ class Stats:
     verify_s: float = 0.0  # target passes over the drafts
     token_latencies_s: list[float] = field(default_factory=list)  # per token after the first: its step's time / tokens
     # its row emitted in that step (a burst of accepted drafts shares the step's time)
+    estimates: list[tuple[int, float, bool]] = field(default_factory=list)  # (position, acceptance estimate,
+    # accepted) of every draft verified with its parent accepted, where the proposer estimated (drafting.plan)
 
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.k
@@ -81,6 +84,12 @@ class Stats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_at = [a + b for a, b in itertools.zip_longest(self.accepted_at, other.accepted_at, fillvalue=0)]
         self.token_latencies_s += other.token_latencies_s
+        self.estimates += other.estimates
+
+    def record_estimates(self, estimates: list[float] | None, accepted: int) -> None:
+        """The outcome of each estimated draft the target saw with its parent accepted."""
+        for i, estimate in enumerate((estimates or [])[: accepted + 1]):
+            self.estimates.append((i + 1, estimate, i < accepted))
 
     def emitted(self, counts: list[int], seconds: float) -> None:
         """One decode step took `seconds` and emitted counts[r] tokens in row r."""
@@ -130,8 +139,9 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
              temperature: float = 0.0, seed: int = 0, drafting: DraftingConfig | None = None,
              tolerance: float = 0.0) -> Generation:
     """Decode up to max_new_tokens after `prompt`; k=0 (or no drafter) is plain target decoding.
-    `drafting` picks chain (the default) or tree drafts (greedy only); tolerance > 0 relaxes greedy
-    chain verification (typical acceptance: faster, no longer the target's exact output)."""
+    `drafting` picks chain (the default) or tree drafts (greedy only), and with drafting.plan how much of
+    each draft is verified (inference/planning.py); tolerance > 0 relaxes greedy chain verification
+    (typical acceptance: faster, no longer the target's exact output)."""
     drafting = drafting or DraftingConfig()
     limit = target.config.max_position_embeddings
     if len(prompt) + max_new_tokens + k + 1 > limit:
@@ -157,6 +167,8 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
     tokens = [token]
     if k:
         proposer = make_proposer(drafter, k, target.vocab_size, max_len, drafting, device)
+        if drafting.plan:
+            proposer.planner = make_planner(target, drafter, k, drafting)
         proposer.prefill(prompt, token, out)
     while len(tokens) < max_new_tokens and token != eos:
         if not k:
@@ -177,6 +189,7 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
         stats.target_forwards += 1
         path, token = verify(draft, out.logits[0], temperature, generator, tolerance)
         stats.record(len(path), len(draft.tokens), looked_up=draft.looked_up)
+        stats.record_estimates(draft.estimates, len(path))
         rows = [0] + [node + 1 for node in path]  # the root and the accepted nodes
         session.keep(start, rows)  # forget the rejected drafts
         new = [draft.tokens[node] for node in path] + [token]
@@ -184,7 +197,10 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
         # The drafter reads the target's features of the accepted positions and proposes the next draft.
         reading = time.perf_counter()
         proposer.accept(new, select_rows(out, rows))
-        stats.draft_s += (verifying - drafting_started) + (time.perf_counter() - reading)
+        drafter_seconds = (verifying - drafting_started) + (time.perf_counter() - reading)
+        stats.draft_s += drafter_seconds
+        if drafting.plan and not draft.looked_up:
+            proposer.planner.record_draft(drafter_seconds, len(draft.tokens))
         stats.emitted([len(new)], time.perf_counter() - drafting_started)
     stats.decode_s = time.perf_counter() - started - stats.ttft_s
     return Generation(truncate(tokens, max_new_tokens, eos), stats)

@@ -196,29 +196,42 @@ class DFlashDrafter(MaskEmbedding, ParallelDrafter):
             hidden = layer(hidden, keys, values, cos, sin, visible)
         return hidden.view(B, A, S, -1)
 
+    first_slot = 1  # the first slot that drafts: the anchor's own slot only carries the token just emitted
+
+    def block_targets(self, target_out: TargetOutput, input_ids: torch.Tensor, loss_mask: torch.Tensor):
+        """The blocks of one batch and what their drafting slots learn: (hidden [B, A, S', H] of the slots
+        first_slot..S-1, drafted positions [B, A, S'], counted [B, A, S'] (an anchor drawn and the token
+        loss-masked), batch index [B, A, S'], the target's argmax for each drafted token [B, A, S'])."""
+        T = input_ids.shape[1]
+        anchors, valid = self.sample_anchors(loss_mask)
+        hidden = self.block_forward(self.features(target_out), input_ids, anchors)[:, :, self.first_slot :]
+        slots = torch.arange(self.first_slot, self.cfg.block_size, device=input_ids.device)
+        drafted = anchors[..., None] + slots + (1 - self.first_slot)  # slot k drafts anchor + k (+1 from the anchor)
+        at = drafted.clamp(max=T - 1)
+        counted = valid[..., None] & (drafted < T) & loss_mask.gather(1, at.flatten(1)).view_as(at).bool()
+        batch = torch.arange(len(input_ids), device=input_ids.device)[:, None, None].expand_as(at)
+        return hidden, at, counted, batch, target_out.argmax()[batch, at - 1]
+
     def training_loss(self, target_out: TargetOutput, input_ids: torch.Tensor, loss_mask: torch.Tensor):
         """Weighted sum over slots k >= 1 of the soft cross-entropy to the target's renormalised
         draft-vocab distribution for the token at anchor+k; metrics loss_step{j} and acc_step{j}
         (draft argmax == target argmax) for draft j = slot j+1."""
-        T = input_ids.shape[1]
-        anchors, valid = self.sample_anchors(loss_mask)
-        hidden = self.block_forward(self.features(target_out), input_ids, anchors)[:, :, 1:]
-        drafted = anchors[..., None] + torch.arange(1, self.cfg.block_size, device=input_ids.device)  # [B, A, S-1]
-        at = drafted.clamp(max=T - 1)
-        counted = valid[..., None] & (drafted < T) & loss_mask.gather(1, at.flatten(1)).view_as(at).bool()
-        batch = torch.arange(len(input_ids), device=input_ids.device)[:, None, None].expand_as(at)
-        target_argmax = target_out.argmax()[batch, at - 1]
-        trained = counted & self.t2d[target_argmax]
+        hidden, at, counted, batch, target_argmax = self.block_targets(target_out, input_ids, loss_mask)
         rows = counted.nonzero(as_tuple=True)
         logits = self.logits(hidden[rows])
         target_logits = target_out.logits_at(self.draft_to_target)[batch[rows], at[rows] - 1]
+        return self.slot_losses(logits, target_logits, self.t2d[target_argmax[rows]], target_argmax[rows], rows[2])
+
+    def slot_losses(self, logits, target_logits, trained, target_argmax, slot) -> tuple[torch.Tensor, dict]:
+        """The weighted sum over draft positions of the distillation loss of rows `logits` [n, N] (draft j's rows:
+        slot == j), and metrics loss_step{j}, acc_step{j}."""
         per_slot = distill_loss(logits, target_logits, torch.arange(logits.shape[-1], device=logits.device),
-                                trained[rows], kind=self.cfg.loss)
-        hits = self.draft_to_target[logits.argmax(-1)] == target_argmax[rows]
-        loss, metrics, slot = 0.0, {}, rows[2]
+                                trained, kind=self.cfg.loss)
+        hits = self.draft_to_target[logits.argmax(-1)] == target_argmax
+        loss, metrics = 0.0, {}
         for j in range(self.depth):
             here = slot == j
-            step_loss = (per_slot * here).sum() / (trained[rows] & here).sum().clamp(min=1)
+            step_loss = (per_slot * here).sum() / (trained & here).sum().clamp(min=1)
             loss = loss + self.cfg.slot_weight(j + 1) * step_loss
             metrics[f"loss_step{j}"] = step_loss.detach()
             metrics[f"acc_step{j}"] = (hits & here).sum() / here.sum().clamp(min=1)
@@ -230,14 +243,10 @@ class DFlashDrafter(MaskEmbedding, ParallelDrafter):
         """Every layer's context keys and values; blocks are never cached."""
         return LayerCaches.of(self.layer_cfg, len(self.layers), batch, max_len, device)
 
-    @torch.no_grad()
-    def draft(self, cache: LayerCaches, tokens: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
+    def block_hidden(self, cache: LayerCaches, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Append m verified positions (`features` [1, m, H]; tokens [1, m], the last being the anchor
-        at position cache.length + m) to the context and draft k <= block_size - 1 tokens in one pass
-        of the whole block: draft-vocab logits [k, N] of slots 1..k."""
-        if k > self.depth:
-            raise UserError(f"k={k}: a DFlash drafter with block_size={self.cfg.block_size} "
-                            f"drafts at most {self.depth} tokens per pass")
+        at position cache.length + m) to the context and run the block [anchor, MASK x (S-1)] once:
+        its hidden states [S, H]."""
         start, m, S = cache.length, tokens.shape[1], self.cfg.block_size
         context_cos, context_sin = self.rotary_table.at(torch.arange(start, start + m, device=tokens.device))
         cos, sin = self.rotary_table.at(torch.arange(start + m, start + m + S, device=tokens.device))
@@ -246,4 +255,16 @@ class DFlashDrafter(MaskEmbedding, ParallelDrafter):
         for layer, layer_cache in zip(self.layers, cache):
             keys, values = layer_cache.append(*layer.self_attn.keys_values(hidden, context_cos, context_sin))
             x = layer(x, keys, values, cos, sin, None)
-        return self.logits(x[0, 1 : k + 1])
+        return x[0]
+
+    def check_k(self, k: int) -> None:
+        if k > self.depth:
+            raise UserError(f"k={k}: a {type(self).__name__} with block_size={self.cfg.block_size} "
+                            f"drafts at most {self.depth} tokens per pass")
+
+    @torch.no_grad()
+    def draft(self, cache: LayerCaches, tokens: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """Draft k <= block_size - 1 tokens in one pass of the whole block (block_hidden): draft-vocab
+        logits [k, N] of slots 1..k."""
+        self.check_k(k)
+        return self.logits(self.block_hidden(cache, tokens, hidden)[1 : k + 1])

@@ -8,7 +8,7 @@ import re
 from common.config import one_of
 from speculators.drafter import FAMILIES
 
-BUILT_IN = ("eagle", "eagle3", "peagle", "medusa", "dflash")
+BUILT_IN = ("eagle", "eagle3", "peagle", "medusa", "dflash", "dspark")
 
 
 def family(name: str):
