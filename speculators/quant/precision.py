@@ -13,9 +13,10 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 MOSTLY_UNQUANTIZED = 0.5  # above this share of weights left as loaded, quantize warns
 
 
-def weight_counts(model: nn.Module) -> tuple[Counter, Counter]:
-    """(weights per precision, of them in fused experts), counting each weight once (tied tables too)."""
-    every, experts, seen = Counter(), Counter(), set()
+def weight_counts(model: nn.Module, skip: frozenset = frozenset()) -> tuple[Counter, Counter]:
+    """(weights per precision, of them in fused experts), counting each weight once (tied tables too), but not the
+    parameters whose ids are in `skip`."""
+    every, experts, seen = Counter(), Counter(), set(skip)
     for module in model.modules():
         precision = getattr(module, "precision", None)
         if precision is not None and id(module) not in seen:  # a quantized Linear or table (speculators.quant)
@@ -57,10 +58,14 @@ def percent(x: float) -> str:
 
 
 def warn_if_mostly_unquantized(model: nn.Module, scheme: str) -> None:
-    """One line at load when most weights kept the precision they were loaded in."""
-    breakdown = precision_breakdown(model)
-    kept = sum(s["share"] for label, s in breakdown.items() if label in DTYPE_NAMES.values())
-    if kept > MOSTLY_UNQUANTIZED:
-        warnings.warn(f"quant.scheme={scheme} left {percent(kept)} of the target's weights unquantized "
-                      f"({describe(breakdown)}): its memory and speed are mostly those of the unquantized target",
-                      stacklevel=3)
+    """One line at load when most of the decoder layers' weights kept the precision they were loaded in (the
+    embeddings and lm_head stay so by choice: quant.quantize_embeddings, quant.quantize_lm_head)."""
+    tables = frozenset(id(p) for table in (model.get_input_embeddings(), model.get_output_embeddings())
+                       for p in table.parameters())
+    tables |= {id(p) for p in model.parameters() if p.dim() < 2}  # norms and biases: never quantized
+    every, _ = weight_counts(model, tables)
+    kept = sum(n for label, n in every.items() if label in DTYPE_NAMES.values())
+    if kept > MOSTLY_UNQUANTIZED * sum(every.values()):  # none without decoder layers (a target for a cache)
+        warnings.warn(f"quant.scheme={scheme} left {percent(kept / sum(every.values()))} of the target's layer "
+                      f"weights unquantized ({describe(precision_breakdown(model))}): its memory and speed are mostly "
+                      f"those of the unquantized target", stacklevel=3)
