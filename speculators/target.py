@@ -17,6 +17,7 @@ import hashlib
 import inspect
 import itertools
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,17 @@ from speculators.quant import QuantConfig, check_gguf_source, quantize
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NO_TARGET = ("no target: pass target.name_or_path=<folder or hub id> (or target.gguf_file=<model.gguf>, or a "
              "conf/target/ file: target=smollm2)")
+
+
+# Config properties after which a target serves logits other than lm_head(hidden_states[L]): (what it does, the
+# value that leaves logits as they are, the transform transformers and vLLM apply). head_logits applies them, so
+# logits recomputed from cached hidden states are the served ones.
+LOGIT_TRANSFORMS = {
+    "final_logit_softcapping": ("soft-caps its logits at {}: c tanh(z / c)", None, lambda z, c: c * torch.tanh(z / c)),
+    "logits_scaling": ("divides its logits by {}", 1.0, lambda z, s: z / s),
+    "logit_scale": ("multiplies its logits by {}", 1.0, lambda z, s: z * s),
+    "lm_head_multiplier": ("multiplies its logits by {}", 1.0, lambda z, s: z * s),
+}
 
 
 @dataclass
@@ -169,6 +181,7 @@ class FrozenTarget:
         self.num_layers = self.config.num_hidden_layers
         self.hidden_size = self.config.hidden_size
         self.image_token_id = image_token_id(model.config)
+        self.logit_transforms = logit_transforms(self.config)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.layer_ids = check_layer_ids(default_layer_ids(self.num_layers) if layer_ids is None else layer_ids,
                                          self.num_layers)
@@ -279,7 +292,7 @@ class FrozenTarget:
         lm_head (dequantized once per `ids` tensor and kept: a drafter passes the same one every step)."""
         head = self.model.get_output_embeddings()
         if ids is None:
-            return head(hidden.to(self.model.dtype)).float()
+            return self.served_logits(head(hidden.to(self.model.dtype)).float())
         if self._head_rows is None or self._head_rows[0] is not ids:
             with align_module_device(head):
                 rows = head.rows(ids) if hasattr(head, "rows") else head.weight[ids]
@@ -287,7 +300,13 @@ class FrozenTarget:
             self._head_rows = (ids, rows.float().to(hidden.device), bias)
         _, rows, bias = self._head_rows
         out = hidden.float() @ rows.T
-        return out if bias is None else out + bias
+        return self.served_logits(out if bias is None else out + bias)
+
+    def served_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """lm_head's output through the target's own soft-capping or scaling (LOGIT_TRANSFORMS), elementwise."""
+        for name, value in self.logit_transforms:
+            logits = LOGIT_TRANSFORMS[name][2](logits, value)
+        return logits
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -307,6 +326,43 @@ class FrozenTarget:
         return TargetOutput(aux_hidden=[out.hidden_states[k].to(device, torch.float32) for k in self.layer_ids],
                             last_hidden=out.hidden_states[-1].to(device, torch.float32),
                             logits=out.logits.to(device, torch.float32) if logits else None)
+
+
+def logit_transforms(config) -> list[tuple[str, float]]:
+    """(property, value) of every LOGIT_TRANSFORMS property `config` sets to other than its neutral value."""
+    found = ((name, getattr(config, name, None)) for name in LOGIT_TRANSFORMS)
+    return [(name, float(value)) for name, value in found if value not in (None, 0, LOGIT_TRANSFORMS[name][1])]
+
+
+def describe_logits(target: "FrozenTarget") -> str:
+    """How the target's logits follow from its last hidden state, naming each property that changes them."""
+    steps = [LOGIT_TRANSFORMS[name][0].format(f"{name}={value:g}") for name, value in target.logit_transforms]
+    return "lm_head(final hidden state)" + "".join(f", then it {step}" for step in steps)
+
+
+def check_logits_from_hidden(target: "FrozenTarget", out: TargetOutput, remedy: str) -> None:
+    """The logits a forward served (`out`) are those recomputed from its hidden states, as a cache of hidden
+    states recomputes them (head_logits): one line naming the properties applied if not, and `remedy`."""
+    recomputed = target.from_hidden(out.aux_hidden, out.last_hidden).logits
+    if not torch.allclose(recomputed, out.logits, rtol=1e-4, atol=1e-4):
+        raise UserError(f"target {target.name_or_path}: its served logits are not {describe_logits(target)}; a "
+                        f"property of its config that this project does not apply changes them; {remedy}")
+
+
+def check_logits_known(target: "FrozenTarget", remedy: str) -> None:
+    """Without a forward to compare against (a cache through vLLM reads hidden states alone): one line naming any
+    config property that looks like it changes the logits (its name) and is not one head_logits applies."""
+    unknown = {name: value for name, value in target.config.to_dict().items()
+               if LOGIT_LIKE.search(name) and not NOT_LOGITS.search(name) and name not in LOGIT_TRANSFORMS
+               and value not in (None, False, 0, 1, 1.0)}
+    if unknown:
+        found = ", ".join(f"{name}={value}" for name, value in unknown.items())
+        raise UserError(f"target {target.name_or_path}: {found} may change its served logits, which this project "
+                        f"recomputes as {describe_logits(target)}; {remedy}")
+
+
+LOGIT_LIKE = re.compile(r"logit|lm_head_mult|output_mult")
+NOT_LOGITS = re.compile(r"router|attn|attention|num_logits|aux|init|output_logits")  # inside the model, or not served
 
 
 def model_class(config):

@@ -82,7 +82,7 @@ def test_moe_int8_logits_stay_near_and_speculation_is_lossless(moe_dir, text_bat
     ids = text_batch[:1, :20]
     a, b = full(ids).logits, int8(ids).logits
     assert 0 < float((a - b).norm() / a.norm()) < 0.2  # the experts' levels are per expert and output channel
-    with pytest.warns(UserWarning, match=r"quant.scheme=int4 left \d+% of the target's weights unquantized .*experts"):
+    with pytest.warns(UserWarning, match=r"quant.scheme=int4 left \d+% of the target's layer weights unquantized .*experts"):
         int4 = load(moe_dir, scheme="int4", group_size=16)  # int4 keeps experts as loaded: said at load
     copy = SelfDrafter.of(int4, "int4", "int8", 3)
     check_pair(int8, copy)
@@ -245,3 +245,59 @@ def test_a_hybrid_target_serves_losslessly(hybrid_dir, make_drafter, text_batch)
         assert accepted.tokens == alone and accepted.stats.num_accepted_tokens > 0
     with pytest.raises(UserError, match=r"has recurrent layers .* serve it with batch_size=1"):
         generate_batch(target, drafter, prompts_of(text_batch), 8, k=3)
+
+
+# --- targets whose served logits are not lm_head(final hidden state) ----------------------------------
+
+
+def scaled_logits_model(family: str, tokenizer) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    common = {**tiny_config(tokenizer), "intermediate_size": 128}
+    if family == "gemma2":  # a cap low enough to bite on a random target's logits
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, final_logit_softcapping=2.0,
+                                                                        sliding_window=8))
+    if family == "granite":
+        return transformers.GraniteForCausalLM(transformers.GraniteConfig(**common, logits_scaling=4.0))
+    return transformers.CohereForCausalLM(transformers.CohereConfig(**common, logit_scale=0.25))
+
+
+@pytest.mark.parametrize("family, described", [
+    ("gemma2", "soft-caps its logits at final_logit_softcapping=2: c tanh(z / c)"),
+    ("granite", "divides its logits by logits_scaling=4"),
+    ("cohere", "multiplies its logits by logit_scale=0.25")])
+def test_logits_recomputed_from_hidden_states_are_the_served_ones(family, described, tokenizer, text_batch):
+    """A cache of hidden states recomputes the logits the target serves, through the property that changes them;
+    a property left out is refused in one line naming what was applied."""
+    from common.config import UserError
+    from speculators.target import check_logits_from_hidden, describe_logits
+
+    target = FrozenTarget(scaled_logits_model(family, tokenizer), tokenizer, family, FEATURES)
+    assert describe_logits(target) == f"lm_head(final hidden state), then it {described}"
+    out = target(text_batch[:, :16])
+    plain = target.model.get_output_embeddings()(out.last_hidden)
+    assert not torch.allclose(plain, out.logits, atol=1e-3)  # the property changes what is served
+    torch.testing.assert_close(target.from_hidden(out.aux_hidden, out.last_hidden).logits, out.logits)
+    ids = torch.tensor([3, 50, 7])
+    torch.testing.assert_close(target.head_logits(out.last_hidden, ids), out.logits[..., ids])
+    check_logits_from_hidden(target, out, "train it with data.hidden_states=online")
+    target.logit_transforms = []  # as if transformers added a property this project does not know
+    with pytest.raises(UserError, match=r"^target \w+: its served logits are not lm_head\(final hidden state\); a "
+                                        r"property .* train it with data.hidden_states=online$"):
+        check_logits_from_hidden(target, out, "train it with data.hidden_states=online")
+
+
+def test_a_logit_property_not_applied_is_named_without_a_forward(tokenizer):
+    """What a cache through vLLM (hidden states alone) can check: properties head_logits applies pass, others that
+    look like they change the logits are named."""
+    from common.config import UserError
+    from speculators.target import check_logits_known
+
+    target = FrozenTarget(scaled_logits_model("granite", tokenizer), tokenizer, "granite", FEATURES)
+    check_logits_known(target, "use data.cache_engine=transformers")
+    target.config.output_multiplier = 0.2  # as MiniCPM-style configs scale theirs
+    with pytest.raises(UserError, match=r"^target granite: output_multiplier=0.2 may change its served logits, which "
+                                        r"this project recomputes as lm_head\(final hidden state\), then it divides its "
+                                        r"logits by logits_scaling=4; use data.cache_engine=transformers$"):
+        check_logits_known(target, "use data.cache_engine=transformers")
