@@ -119,6 +119,23 @@ def test_a_rebuild_recomputes_only_the_damaged_and_missing_shards(llama_dir, dat
     same_cache(folder, cache)
 
 
+def test_a_build_stopped_after_its_index_resumes_without_recomputing(llama_dir, data_file, cache, tmp_path,  # noqa: F811
+                                                                    monkeypatch):
+    """Stopped between writing index.json (progress.json gone) and renaming .partial into place."""
+    monkeypatch.setattr(hidden_cache, "SHARD_BYTES", ROWS_PER_SHARD * (len(LAYER_IDS) + 1) * SEQ_LEN * 32 * 2)
+    recipe = recipe_for(llama_dir, data_file, tmp_path / "cache")
+    monkeypatch.setattr(hidden_cache, "move_into_place", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        hidden_cache.build(recipe)
+    monkeypatch.undo()
+    monkeypatch.setattr(hidden_cache, "SHARD_BYTES", ROWS_PER_SHARD * (len(LAYER_IDS) + 1) * SEQ_LEN * 32 * 2)
+    save, written = hidden_cache.save_shard, []
+    monkeypatch.setattr(hidden_cache, "save_shard", lambda tensors, path: (written.append(path.name), save(tensors, path))[1])
+    hidden_cache.build(recipe)
+    assert written == []
+    same_cache(tmp_path / "cache", cache)
+
+
 @pytest.mark.parametrize("damage", INDEX_DAMAGES)
 def test_a_broken_index_is_refused_and_a_rebuild_replaces_it(llama_dir, data_file, cache, tmp_path, damage):  # noqa: F811
     folder = copy_of(cache, tmp_path)

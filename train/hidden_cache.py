@@ -258,7 +258,7 @@ class Progress:
 
     def __init__(self, folder: Path, built_from: dict, previous: Path):
         self.folder, self.path, self.built_from = folder, folder / "progress.json", built_from
-        stopped = read_record(self.path)
+        stopped = read_record(self.path) or read_record(folder / "index.json")  # stopped before or after its index
         if not same_settings(stopped, built_from):
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
