@@ -75,8 +75,10 @@ def tiny_training(llama_dir: Path, stdlib: Path, run_dir: Path, recipe: str = "e
                 "trainer.progress_bar=false", "model.vocab_size=300", "model.hidden_size=32",
                 "model.intermediate_size=64", "model.num_hidden_layers=2"]
     # The groups of the quick recipes, whatever the recipe's own (eagle3_smollm2 serves a GGUF, packed)
-    return [f"conf={recipe}", "target=pycode", "data=stdlib", "quant=none", "eval=data",
-            "++data.path=null", f"hydra.run.dir={run_dir}", f"target.name_or_path={llama_dir}",
+    # and none of its data selection or starting weights (eagle3_smollm2_adapt: a slice of ShareGPT, the shipped drafter)
+    return [f"conf={recipe}", "target=pycode", "data=stdlib", "quant=none", "eval=data", "init_from=null",
+            "++data.path=null", "++data.max_examples=null", "++data.skip_examples=0", f"hydra.run.dir={run_dir}",
+            f"target.name_or_path={llama_dir}",
             f"target.layer_ids=[{','.join(map(str, LAYER_IDS))}]", f"data.stdlib_path={stdlib}", "data.seq_len=32",
             "data.batch_size=2", "data.max_val_sequences=2", "trainer.max_steps=2", "trainer.val_every_n_steps=2",
             "trainer.checkpoint_every_n_steps=2", "trainer.progress_bar=false", "serve_eval.every_n_steps=0",
