@@ -86,6 +86,24 @@ def test_a_damaged_shard_is_refused_by_name_before_a_row_of_it_is_read(llama_dir
     assert str(shard) not in read
 
 
+@pytest.mark.parametrize("damage", ["missing", "cut_in_half", "index"])
+def test_check_cache_finds_what_it_can_without_the_target(llama_dir, data_file, cache, tmp_path, damage):  # noqa: F811
+    """What training checks before the target loads: the index and every shard's size."""
+    folder = copy_of(cache, tmp_path)
+    recipe = recipe_for(llama_dir, data_file, folder)
+    hidden_cache.check_cache(recipe.data)
+    shard = folder / shard_names(folder)[-1]
+    if damage == "missing":
+        shard.unlink()
+    elif damage == "cut_in_half":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    else:
+        (folder / "index.json").write_text("{")
+    with pytest.raises(UserError) as error:
+        hidden_cache.check_cache(recipe.data)
+    assert f"data.cache_dir={folder}" in one_line(error)
+
+
 def test_the_undamaged_copy_reads_every_row(llama_dir, data_file, cache, tmp_path):  # noqa: F811
     """The control: the same reads of the copy the damages start from."""
     _, data = cached_data(recipe_for(llama_dir, data_file, copy_of(cache, tmp_path)))

@@ -465,6 +465,14 @@ def open_cache(recipe, target: FrozenTarget, data: TextDataModule) -> HiddenCach
     return HiddenCache(folder, index)
 
 
+def check_cache(cfg) -> None:
+    """The cache at data.cache_dir (DataConfig `cfg`) is there and whole: its index readable and every shard its
+    recorded size. Cheap (no shard is read), so training checks it before the target loads; open_cache then
+    checks what the cache was built from, and each shard's checksum at its first read."""
+    folder = Path(cfg.cache_dir)
+    HiddenCache(folder, read_index(folder))
+
+
 def read_index(folder: Path) -> dict:
     """index.json of the cache at `folder`, refused in one line when missing, unreadable or from before checksums."""
     if not (folder / "index.json").is_file():
