@@ -3,6 +3,8 @@
 
 import gzip
 import json
+import os
+import types
 
 import pyarrow
 import pyarrow.parquet
@@ -141,3 +143,26 @@ def test_regeneration_checks_its_data_before_the_target_loads(llama_dir, tmp_pat
     bad.write_bytes(b'{"conversations": [{"from": "human", "value": "caf\xe9"}]}\n')
     with pytest.raises(UserError, match=f"data.path={bad}: 1 line\\(s\\) are not UTF-8: line 1"):
         regenerate.regenerate(regenerate_config(llama_dir, bad, tmp_path / "out"))
+
+
+def test_a_regenerated_shard_is_compressed_atomically(tmp_path, monkeypatch):
+    """A failure while the compressed shard is written (a full disk) leaves the plain shard as it was."""
+    opened = tmp_path / "part-00000.jsonl"
+    opened.write_text('{"a": 1}\n')
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError):
+        regenerate.close_shard(opened)
+    assert opened.read_text() == '{"a": 1}\n' and [p.name for p in tmp_path.iterdir()] == [opened.name]
+
+
+@pytest.mark.parametrize("damage", TRUNCATIONS)
+def test_a_damaged_regeneration_meta_json_is_one_line(llama_dir, tmp_path, damage):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
+    shards = regenerate.Shards(tmp_path / "out", 4)
+    shards.folder.mkdir()
+    shards.meta.write_bytes(TRUNCATIONS[damage](json.dumps({"seed": 0}).encode()))
+    target = types.SimpleNamespace(name_or_path=str(llama_dir), fingerprint=lambda: "f")
+    with pytest.raises(UserError) as error:
+        regenerate.resume(regenerate_config(llama_dir, chats, shards.folder), target, shards)
+    assert f"{shards.meta} is damaged" in one_line(error)

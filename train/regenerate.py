@@ -29,7 +29,6 @@ and the engine; a larger `limit` extends a finished folder), on this machine or 
 import contextlib
 import gzip
 import json
-import os
 import subprocess
 import threading
 import time
@@ -49,6 +48,7 @@ from speculators import gguf_file
 from speculators.quant import QuantConfig
 from speculators.target import FrozenTarget, TargetConfig
 from train.data import CHAT_FIELDS, DataConfig, chat_template, conversation, read_examples, split_by_hash
+from train.hidden_cache import write_atomically
 
 CHUNK_BATCHES = 8  # batches per chunk: what an interruption can lose
 MAX_TURNS = 1000  # sampling seeds: conversation i's reply r draws with seed + MAX_TURNS * i + r
@@ -151,10 +151,10 @@ def regenerate(cfg: RegenerateConfig) -> Path:
     print(f"regenerated {tally.replies} replies ({tally.tokens} tokens, {tally.tokens / max(elapsed, 1e-9):.0f} "
           f"tokens/s) in {len(rows) - done} conversations ({how}; {tally.cut} cut at max_new_tokens="
           f"{cfg.max_new_tokens}, {tally.dropped} dropped): {out}")
-    recorded = json.loads(shards.meta.read_text())
+    recorded = shards.read_meta()
     figures = tally.figures() | {"seconds": round(elapsed, 3)}  # generation's wall time, loading left out
     totals = {k: recorded.get("totals", {}).get(k, 0) + v for k, v in figures.items()}
-    shards.meta.write_text(json.dumps(recorded | {"conversations": len(rows), "totals": totals}, indent=2) + "\n")
+    shards.write_meta(recorded | {"conversations": len(rows), "totals": totals})
     return out
 
 
@@ -196,16 +196,28 @@ class Shards:
         if opened.exists() and keep_whole_lines(opened):
             close_shard(opened)
 
+    def read_meta(self) -> dict:
+        try:
+            meta = json.loads(self.meta.read_bytes())
+        except ValueError:  # JSON or UTF-8
+            meta = None
+        if not isinstance(meta, dict):
+            raise UserError(f"{self.meta} is damaged (not a JSON object); restore it, or pass overwrite=true to "
+                            "regenerate the folder from the start")
+        return meta
+
+    def write_meta(self, meta: dict) -> None:
+        write_atomically(self.meta, (json.dumps(meta, indent=2, default=str) + "\n").encode())
+
     def clear(self) -> None:
         for path in self.folder.glob("part-*"):
             path.unlink()
 
 
 def close_shard(opened: Path) -> None:
-    """part-NNNNN.jsonl -> part-NNNNN.jsonl.gz, atomically (an interruption leaves both; count() drops the plain)."""
-    partial = opened.with_name(opened.name + ".gz.partial")
-    partial.write_bytes(gzip.compress(opened.read_bytes(), mtime=0))
-    os.replace(partial, opened.with_name(opened.name + ".gz"))
+    """part-NNNNN.jsonl -> part-NNNNN.jsonl.gz, atomically and on disk before the plain one goes (an interruption
+    leaves both; count() drops the plain)."""
+    write_atomically(opened.with_name(opened.name + ".gz"), gzip.compress(opened.read_bytes(), mtime=0))
     opened.unlink()
 
 
@@ -248,9 +260,9 @@ def resume(cfg: RegenerateConfig, target: FrozenTarget, shards: Shards, python: 
             raise UserError(f"out={shards.folder} is a folder of other files; choose a new or empty folder")
         shards.folder.mkdir(parents=True, exist_ok=True)
         shards.clear()
-        shards.meta.write_text(json.dumps(wanted, indent=2, default=str) + "\n")
+        shards.write_meta(wanted)
         return 0
-    recorded = json.loads(shards.meta.read_text())
+    recorded = shards.read_meta()
     differ = sorted(k for k in wanted if recorded.get(k) != wanted[k])
     if differ:
         raise UserError(f"{shards.folder} already holds conversations written with other settings "
