@@ -186,7 +186,7 @@ def test_train_py_with_trainer_ddp_runs_two_processes_and_exports_once(strategy,
     if strategy == "ddp":  # the same command again (every node of a restarted job): refused, not started over
         again = run_train(args, cwd=tmp_path, timeout=600)
         assert again.returncode == 1 and again.stderr.strip().splitlines()[-1].startswith(
-            f"error: {run_dir} holds another run"), again.stderr[-3000:]
+            f"error: {run_dir} holds a finished run"), again.stderr[-3000:]
 
 
 def two_processes(target_dir: Path, out: Path, strategy: str, *resume: str) -> subprocess.Popen:

@@ -101,7 +101,7 @@ def test_a_new_run_into_a_run_folder_is_refused_unless_overwrite(llama_dir, smal
     with monkeypatch.context() as patch:  # a finished run is refused the same way
         no_target_load(patch)
         code, stderr = run_in_process("train", args, monkeypatch)
-    assert "export" in one_line_error(code, stderr)
+    assert "holds a finished run (checkpoints/last.ckpt, export); pass overwrite=true" in one_line_error(code, stderr)
 
 
 def test_resume_refuses_a_changed_setting_and_applies_a_changeable_one(llama_dir, small_stdlib, tmp_path,

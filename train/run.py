@@ -60,7 +60,10 @@ def check_run_dir(recipe, run_dir: Path, result: Path):
             if p.exists()]
     continues_here = recipe.resume is not None and Path(run_dir_of(recipe.resume, "")).resolve() == run_dir.resolve()
     if held and not continues_here and not recipe.overwrite:
-        raise UserError(f"{run_dir} holds another run ({', '.join(held)}); continue it with resume={run_dir}, "
+        if result.exists() and not (run_dir / UNFINISHED).exists():
+            raise UserError(f"{run_dir} holds a finished run ({', '.join(held)}); pass overwrite=true to start it "
+                            f"over, or another hydra.run.dir")
+        raise UserError(f"{run_dir} holds an unfinished run ({', '.join(held)}); continue it with resume={run_dir}, "
                         f"or pass overwrite=true to start it over")
     if recipe.resume is None and recipe.overwrite and held and process_zero():
         start_over(run_dir)
