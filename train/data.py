@@ -1,7 +1,9 @@
 """Training data: examples in, packed token rows with their loss masks out, and the DataModule.
 
 Sources (data.source): the Python standard library (the default, offline everywhere), a local
-.json/.jsonl/.parquet file, or a dataset id for `datasets.load_dataset`. Layouts (data.layout):
+.json/.jsonl/.parquet file, or a dataset id for `datasets.load_dataset`. A JSON file must be UTF-8: lines that
+are not are refused, named with their byte offsets (as eval files are), never read with replacement characters;
+a truncated parquet file is refused by name. Layouts (data.layout):
 
     text               {"text": ...}                                    every token trained
     prompt_completion  {"prompt": ..., "completion": ...}               completion and EOS trained
