@@ -103,7 +103,7 @@ def vision_model(family: str, tokenizer) -> nn.Module:
 
     torch.manual_seed(0)
     text = {**tiny_config(tokenizer), "intermediate_size": 128}
-    image, video, start = len(tokenizer) - 1, len(tokenizer) - 2, len(tokenizer) - 3
+    image, video, start = len(tokenizer), len(tokenizer) + 1, len(tokenizer) + 2  # beyond the text's tokens
     if family == "gemma3":
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                       patch_size=14)
@@ -233,6 +233,9 @@ def test_a_hybrid_target_serves_losslessly(hybrid_dir, make_drafter, text_batch)
         warnings.simplefilter("ignore", UserWarning)  # int4 leaves the experts as loaded: said at load
         copy = SelfDrafter.of(FrozenTarget.load(cfg, QuantConfig("int4", group_size=16)), "int4", "none", 3)
     drafter = make_drafter(target)
+    batch = text_batch[:, :24]
+    loss, _ = drafter.training_loss(target(batch), batch, torch.ones_like(batch))  # trains from its features
+    assert torch.isfinite(loss)
     for prompt in prompts_of(text_batch):
         alone = generate(target, None, prompt, MAX_NEW, k=0).tokens
         ids = list(prompt)
