@@ -9,8 +9,8 @@ from speculators import draft_vocab, export
 from speculators.families import family
 from speculators.target import FrozenTarget
 from train.callbacks import ServeEvalCallback, wall_time
-from train.data import TextDataModule, announce, chat_template, heldout_conversations, load_examples
-from train.hidden_cache import open_cache
+from train.data import TextDataModule, announce, chat_template, check_context, heldout_conversations, load_examples
+from train.hidden_cache import check_cache, open_cache
 from train.module import DrafterModule, plain_copy
 from train.recipes import DrafterRecipe
 from train.trainer import fit, make_logger, make_trainer
@@ -25,9 +25,13 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     every = recipe.serve_eval.every_n_steps
     require(not (cached and every), "serve_eval.every_n_steps", every, "0 with data.hidden_states=cache (serving "
             "needs the whole target, which a cached run loads only for the report after training)")
+    check_context(recipe.data, recipe.target)
+    examples = load_examples(recipe.data)  # before the target: a bad data file is refused in seconds, not minutes
+    if cached:
+        check_cache(recipe.data)
     target = FrozenTarget.load(recipe.target, recipe.quant, layers=not cached)
     drafter_cfg = fit_draft_vocab(drafter_cfg, target)
-    datamodule = TextDataModule(recipe.data, load_examples(recipe.data), target.tokenizer, recipe.seed)
+    datamodule = TextDataModule(recipe.data, examples, target.tokenizer, recipe.seed)
     datamodule.setup("fit")
     if cached:
         datamodule.hidden = open_cache(recipe, target, datamodule)

@@ -58,7 +58,7 @@ from common.config import UserError, exit_on_user_error, run_cli, to_dataclass
 from engines import vllm_venv
 from speculators import gguf_file
 from speculators.export import check_writable, move_into_place
-from speculators.target import FrozenTarget
+from speculators.target import FrozenTarget, check_logits_from_hidden, check_logits_known
 from train.data import TextDataModule, check_context, load_examples
 from train.recipes import DrafterRecipe
 
@@ -386,9 +386,7 @@ def check_vllm_serves_it(recipe, target: FrozenTarget) -> None:
     if quant.scheme not in ("none", "gguf") or quant.activations != "exact":
         raise UserError(f"data.cache_engine=vllm runs the target as stored, not as quant.scheme={quant.scheme} "
                         f"(activations {quant.activations}) serves it; use data.cache_engine=transformers")
-    if getattr(target.config, "final_logit_softcapping", None):
-        raise UserError(f"target {target.name_or_path}: its logits are soft-capped, not lm_head(final hidden state), "
-                        "which the cache relies on; train it with data.hidden_states=online")
+    check_logits_known(target, "train it with data.hidden_states=online")
 
 
 def greedy_tokens(target: FrozenTarget, last_hidden: torch.Tensor, chunk: int = 512) -> torch.Tensor:
@@ -400,10 +398,7 @@ def greedy_tokens(target: FrozenTarget, last_hidden: torch.Tensor, chunk: int = 
 
 
 def check_logits_recomputable(target: FrozenTarget, out) -> None:
-    recomputed = target.from_hidden(out.aux_hidden, out.last_hidden).logits
-    if not torch.allclose(recomputed, out.logits, rtol=1e-4, atol=1e-4):
-        raise UserError(f"target {target.name_or_path}: its logits are not lm_head(final hidden state) (logit "
-                        "soft-capping?), which the cache relies on; train it with data.hidden_states=online")
+    check_logits_from_hidden(target, out, "train it with data.hidden_states=online")
 
 
 # Reading ----------------------------------------------------------------------------------------
