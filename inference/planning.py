@@ -135,6 +135,7 @@ class Planner:
     per_pass: bool
     temperatures: list[float] | None = None  # per draft position, applied to the estimate's logit
     draft_ms: list[float] = field(default_factory=list)  # recent drafter times, per pass or per draft
+    trims: bool = True  # False: estimates are recorded, every draft up to K is verified (calibration passes)
 
     def calibrated(self, position: int, logit: float) -> float:
         """The acceptance estimate of draft `position` (1-based) from its raw logit."""
@@ -164,11 +165,15 @@ class Planner:
 
     def best_length(self, estimates: list[float]) -> int:
         """The n in 0..len(estimates) with the highest expected tokens per millisecond (ties: the shorter)."""
+        if not self.trims:
+            return len(estimates)
         rates = self.rates(estimates)
         return max(range(len(rates)), key=lambda n: (rates[n], -n))
 
     def keep_going(self, estimates: list[float], limit: int) -> bool:
         """Whether draft j = len(estimates) is worth verifying, with drafts j+1..limit forecast at c_j."""
+        if not self.trims:
+            return True
         j = len(estimates)
         forecast = estimates + [estimates[-1]] * (limit - j)
         rates = self.rates(forecast)
@@ -181,18 +186,21 @@ def logit(p: float) -> float:
     return math.log(p / (1 - p))
 
 
-def read_temperatures(path: Path) -> list[float] | None:
-    """Per-position temperatures from an sts.json (TensorRT-LLM's and SGLang's keys), or None."""
-    if not path.exists():
-        return None
+def read_temperatures(path: Path, fingerprint: str) -> list[float]:
+    """Per-position temperatures from an sts.json (TensorRT-LLM's and SGLang's keys) fitted for the target with
+    this weights fingerprint (a file that names another target is refused)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(Path(path).read_text())
         temperatures = [float(t) for t in data.get("sts_temperatures", data.get("temperatures"))]
-    except (ValueError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, TypeError, AttributeError) as e:
         raise UserError(f"{path}: not a calibration file ({type(e).__name__}); expected "
                         f'{{"sts_temperatures": [T_1, ..., T_K]}}') from None
     if not temperatures or min(temperatures) <= 0:
         raise UserError(f"{path}: sts_temperatures must be a non-empty list of positive numbers")
+    if data.get("target_fingerprint") not in (None, fingerprint):
+        raise UserError(f"{path} was fitted for another target (weights fingerprint {data['target_fingerprint']}, "
+                        f"this one's {fingerprint}): refit it with python -m benchmarks.planning, or pass "
+                        f"drafting.calibration=<its own sts.json>")
     return temperatures
 
 
@@ -215,8 +223,8 @@ def make_planner(target, drafter, k: int, drafting) -> Planner:
         context = min(256, target.config.max_position_embeddings - k - 2)
         costs = StepCosts.cached(lambda n: open_session(target, n), target_key(target), k + 1, context,
                                  drafting.cost_table, drafting.remeasure)
-        temperatures = (read_temperatures(Path(drafting.calibration)) if drafting.calibration
-                        else getattr(drafter, "confidence_temperatures", None))
+        file = drafting.calibration or drafter.calibration_file
+        temperatures = read_temperatures(Path(file), target.fingerprint()) if file else None
         planners[settings] = Planner(costs, per_pass=drafter.drafting_kind != "autoregressive",
                                      temperatures=temperatures)
     return planners[settings]

@@ -19,11 +19,12 @@ import torch
 from common import plots
 from common.config import UserError, at_least, require
 from common.tracking import LoggerConfig, wandb_mode
+from inference import calibration
 from inference.drafting import DraftingConfig, serving_k
 from inference.engine import Stats, check_pair, generate_batch
 from inference.evalsets import EvalConfig, Prompt
 from kernels.provenance import git_revision, machine
-from speculators.quant import QuantConfig
+from speculators.quant import QuantConfig, describe, precision_breakdown
 from speculators.self_draft import SELF_DRAFT_TOKENS, SELF_PREFIX, SelfDrafter, check_lower_precision
 
 
@@ -115,16 +116,20 @@ def measure(target, drafter, prompts: list[Prompt], cfg: InferenceConfig) -> dic
 
 
 def measure_arms(target, arms: dict[str, tuple], prompts: list[Prompt], cfg: InferenceConfig) -> dict[str, dict]:
-    """measure() of several (drafter, K) arms against one baseline: batch by batch, target-only decoding,
-    then each arm, so all see the same machine load. name -> report."""
-    arms = {name: (drafter, serving_k(drafter, k)) for name, (drafter, k) in arms.items()}
-    for drafter, k in arms.values():
+    """measure() of several (drafter, K) or (drafter, K, DraftingConfig) arms against one baseline: batch by batch,
+    target-only decoding, then each arm, so all see the same machine load. name -> report."""
+    arms = {name: (arm[0], serving_k(arm[0], arm[1]), arm[2] if len(arm) > 2 else cfg.drafting)
+            for name, arm in arms.items()}
+    for drafter, k, _ in arms.values():
         if k:
             check_pair(target, drafter)
+    if cfg.batch_size > 1 and target.recurrent:
+        raise UserError(f"batch_size={cfg.batch_size}: {target.name_or_path} keeps recurrent states, which rejected "
+                        f"drafts in a batch would leave gaps in; serve it with batch_size=1")
     turns = sorted({p.turn for p in prompts})
     per_turn = {turn: measure_turn(target, arms, [p for p in prompts if p.turn == turn], cfg) for turn in turns}
     return {name: arm_report(target, {turn: tallies[name] for turn, tallies in per_turn.items()},
-                             replace(cfg, k=k)) for name, (_, k) in arms.items()}
+                             replace(cfg, k=k, drafting=drafting)) for name, (_, k, drafting) in arms.items()}
 
 
 def arm_report(target, per_turn: dict[int, "Tally"], cfg: InferenceConfig) -> dict:
@@ -138,6 +143,8 @@ def arm_report(target, per_turn: dict[int, "Tally"], cfg: InferenceConfig) -> di
         "per_turn": {str(turn): tally.figures() for turn, tally in per_turn.items()} if len(turns) > 1 else None,
         "peak_memory_mb": peak_memory_mb(),
         "outputs_match_baseline": all(r["matches_baseline"] for r in rows) if cfg.temperature == 0 else None,
+        "weights_precision": describe(precision_breakdown(target.model)),
+        "estimates": calibration.summary(total.spec.estimates) if total.spec.estimates else None,
         "drift": drift(target, rows) if cfg.acceptance_tolerance else None,
         "prompts": rows,
         "config": asdict(cfg),
@@ -237,14 +244,14 @@ def percentiles(latencies_s: list[float]) -> dict | None:
 def measure_turn(target, arms: dict[str, tuple], prompts: list[Prompt], cfg: InferenceConfig) -> dict[str, Tally]:
     """name -> Tally of each (drafter, K) arm; every batch decoded target-only once, then by each arm."""
     size = cfg.batch_size
-    tallies = {name: Tally(k) for name, (_, k) in arms.items()}
+    tallies = {name: Tally(k) for name, (_, k, _) in arms.items()}
     for first in range(0, len(prompts), size):  # batch by batch; seed: that of the batch's first prompt
         batch = prompts[first : first + size]
         ids = [p.ids for p in batch]
         base = generate_batch(target, None, ids, cfg.max_new_tokens, 0, cfg.temperature, cfg.seed + first)
-        for name, (drafter, k) in arms.items():
+        for name, (drafter, k, drafting) in arms.items():
             spec = generate_batch(target, drafter, ids, cfg.max_new_tokens, k, cfg.temperature, cfg.seed + first,
-                                  cfg.drafting, cfg.acceptance_tolerance)
+                                  drafting, cfg.acceptance_tolerance)
             tallies[name].add_batch(target, batch, base, spec)
     return tallies
 
@@ -322,6 +329,10 @@ def table(report: dict) -> str:
         *([f"  chains of {report['num_draft_tokens'] / report['num_drafts']:.2f} drafts on average (stopped "
            f"where the drafter's top probability fell below drafting.chain_min_prob={min_prob})"]
           if (min_prob := report["config"]["drafting"]["chain_min_prob"]) else []),
+        *([f"  planned: {report['num_draft_tokens'] / report['num_drafts']:.2f} drafts verified on average of K="
+           f"{report['config']['k']}; estimates ECE {report['estimates']['all']['ece']:.3f}, Brier "
+           f"{report['estimates']['all']['brier']:.3f}"] if report["config"]["drafting"].get("plan")
+          and report.get("estimates") else []),
         *[f"  turn {turn}: tau {figures['acceptance_length']:.3f}, speed-up {figures['speedup']:.2f}x "
           f"({figures['num_prompts']} prompts)" for turn, figures in (report["per_turn"] or {}).items()],
         f"tokens/s: {report['tokens_per_second']:.1f} speculative vs {report['baseline_tokens_per_second']:.1f} "
@@ -331,6 +342,8 @@ def table(report: dict) -> str:
            f"{report['drift']['outputs_differing']:.0%} of outputs differ from target-only greedy; log-likelihood "
            f"per token {report['drift']['log_likelihood_per_token']:.3f} vs "
            f"{report['drift']['baseline_log_likelihood_per_token']:.3f}"] if report.get("drift") else []),
+        *([f"target weights: {report['weights_precision']}"]
+          if report["config"]["quant"]["scheme"] != "none" and report.get("weights_precision") else []),
         f"outputs match target-only greedy: {report['outputs_match_baseline']}" + (
             " (w8a8 rounds activations, which amplifies last-bit differences between a 1-token and a "
             "(k+1)-token forward: lossless in distribution, not always token for token)"

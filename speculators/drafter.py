@@ -35,6 +35,7 @@ class Drafter(nn.Module, metaclass=ABCMeta):
     d2t: torch.Tensor  # draft id -> target id offset [N] (speculators/draft_vocab.py)
     t2d: torch.Tensor  # target id -> in the draft vocabulary [V]
     best_k: int | None = None  # the K measured fastest (export.set_best_k); None: not measured, serve its depth
+    calibration_file = None  # an export's sts.json (inference/calibration.py), which drafting.plan reads
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -273,7 +273,7 @@ def target_layer_count(name_or_path: str) -> int:
         reader = gguf_file.read(gguf_file.locate(name_or_path))
         return gguf_file.field(reader, f"{gguf_file.field(reader, 'general.architecture')}.block_count")
     try:
-        return AutoConfig.from_pretrained(name_or_path).num_hidden_layers
+        return AutoConfig.from_pretrained(name_or_path).get_text_config().num_hidden_layers
     except (OSError, ValueError):
         raise UserError(f"the original DFlash format records the target's layer count, and the config of "
                         f"{name_or_path} cannot be read here; name the target by its local folder or .gguf file") from None
@@ -552,6 +552,9 @@ def write_atomically(path: Path, data: str | bytes) -> None:
         raise
 
 
+CALIBRATION_FILE = "sts.json"  # per-position temperatures of the drafter's acceptance estimates (inference/calibration.py)
+
+
 def load(path: Path) -> tuple[torch.nn.Module, str | None]:
     """(drafter, the verifier's name_or_path its config records) from an export of any supported format."""
     path = Path(path)
@@ -569,6 +572,8 @@ def load(path: Path) -> tuple[torch.nn.Module, str | None]:
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     drafter.left_to_target = tuple(name for name in missing if name in FORMATS[fmt].left_to_target)
     drafter.stored_dtype = stored_dtype  # what a conversion keeps unless told otherwise
+    if (path / CALIBRATION_FILE).is_file():
+        drafter.calibration_file = path / CALIBRATION_FILE
     missing = [name for name in missing if name not in drafter.left_to_target]  # share_target_embedding fills those
     if missing or unexpected:
         raise UserError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")

@@ -1,0 +1,158 @@
+"""Cost-aware verification against fixed K: every drafter at each fixed K and with drafting.plan, one target, the
+same prompts, interleaved with target-only decoding (benchmarks.compare's rows and loop).
+
+    python -m benchmarks.planning drafters=[runs/a/export,...] [quant=gguf] [eval=mtbench] [ks=[1,2,4]] [out=DIR]
+
+First a calibration pass per drafter on the first `calibration_prompts` prompts (left out of the timing): every
+draft up to K verified and its acceptance estimate recorded, from which one temperature per position is fitted
+(inference/calibration.py). The plan rows then serve with those temperatures and the step costs measured on this
+machine (inference/planning.py). Reported per drafter: the estimates' reliability (ECE, AUROC, Brier) on the timed
+prompts before and after the scaling, and the cost table; sts.json and sps.json (TensorRT-LLM's layouts) are
+written per drafter under <out>/<drafter>/ and, with beside_export=true, into the export folder itself.
+"""
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from benchmarks import compare
+from benchmarks.tables import write_result
+from common.config import UserError, at_least, exit_on_user_error, run_cli, to_dataclass
+from inference import calibration, evalsets
+from inference.drafting import DraftingConfig, serving_k
+from inference.evalsets import EvalConfig
+from speculators.quant import QuantConfig
+
+
+@dataclass
+class PlanningConfig:
+    drafters: list[str] = field(default_factory=list)  # export folders, all for the same target
+    target: str | None = None  # None: the verifier the first drafter's config names
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ks: list[int] | None = None  # fixed K rows per drafter (those up to its depth); None: 1 to its own K
+    calibration_prompts: int = 4  # the first N prompts fit the temperatures and are not timed; 0: no scaling
+    max_new_tokens: int = 64
+    repeats: int = 3
+    beside_export: bool = False  # also write sts.json and sps.json into each export folder
+    out: str | None = None
+
+    def __post_init__(self):
+        if not self.drafters:
+            raise UserError("drafters=[...]: give at least one export folder")
+        at_least(0, calibration_prompts=self.calibration_prompts)
+        at_least(1, max_new_tokens=self.max_new_tokens, repeats=self.repeats)
+        for k in self.ks or []:
+            at_least(1, ks=k)
+
+
+def rows_of(drafters, cfg: PlanningConfig) -> list[compare.Method]:
+    """Target-only, then per drafter its fixed-K rows and its plan row (at the largest K)."""
+    rows = [compare.Method("target_only", None, DraftingConfig())]
+    for label, drafter, training in drafters:
+        own = serving_k(drafter, None)
+        ks = sorted({k for k in (cfg.ks or range(1, own + 1)) if k <= drafter.depth or drafter.drafts_beyond_depth})
+        rows += [compare.Method(f"{label} K={k}", drafter, DraftingConfig(), training, k) for k in ks]
+        rows.append(compare.Method(f"{label} plan", drafter, DraftingConfig(plan=True), training, max(ks)))
+    return rows
+
+
+def calibrate(target, drafter, k: int, prompts: list[list[int]], cfg: PlanningConfig) -> list[float] | None:
+    """Per-position temperatures from every draft up to K on `prompts` (None without calibration prompts)."""
+    from inference.engine import Stats, generate
+    from inference.planning import make_planner
+
+    if not prompts:
+        return None
+    drafting = DraftingConfig(plan=True)
+    planner = make_planner(target, drafter, k, drafting)
+    planner.trims, planner.temperatures = False, None
+    stats = Stats(k)
+    for ids in prompts:
+        stats.add(generate(target, drafter, ids, cfg.max_new_tokens, k, drafting=drafting).stats)
+    planner.trims = True
+    planner.temperatures = calibration.fit(stats.estimates, k)
+    return planner.temperatures
+
+
+def reliability(row: compare.Method, temperatures: list[float] | None) -> dict:
+    """The plan row's estimates as served (after scaling) and as the drafter gave them (before)."""
+    after = row.stats.estimates
+    inverse = [1 / t for t in temperatures] if temperatures else None
+    before = calibration.apply(after, inverse) if inverse else after
+    return {"before": calibration.summary(before), "after": calibration.summary(after),
+            "temperatures": temperatures}
+
+
+def markdown(table: list[dict], drafters: dict) -> str:
+    lines = [compare.markdown(table), "", "| drafter | ECE before | ECE after | AUROC | Brier before | Brier after "
+             "| temperatures |", "|---|---|---|---|---|---|---|"]
+    for label, info in drafters.items():
+        before, after = info["reliability"]["before"]["all"], info["reliability"]["after"]["all"]
+        if not after.get("drafts"):
+            continue
+        temperatures = " ".join(f"{t:.2f}" for t in info["reliability"]["temperatures"] or []) or "-"
+        auroc = "-" if after["auroc"] is None else f"{after['auroc']:.3f}"
+        lines.append(f"| {label} | {before['ece']:.3f} | {after['ece']:.3f} | {auroc} | {before['brier']:.3f} "
+                     f"| {after['brier']:.3f} | {temperatures} |")
+    return "\n".join(lines)
+
+
+def write_tables(label: str, path: str, temperatures, target, planner, cfg: PlanningConfig, out: Path) -> None:
+    folders = [out / label] + ([Path(path)] if cfg.beside_export else [])
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        if temperatures:
+            calibration.write_sts(temperatures, folder / "sts.json", target)
+        planner.costs.write_sps(folder / "sps.json", planner.drafter_ms())
+
+
+@hydra.main(config_path="../conf/benchmarks", config_name="planning", version_base="1.3")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    from inference import report
+    from inference.planning import make_planner
+    from speculators import export
+
+    cfg = to_dataclass(PlanningConfig, cfg)
+    out = Path(cfg.out or HydraConfig.get().runtime.output_dir)
+    first, target = report.load_pair(cfg.drafters[0], cfg.target, cfg.quant)
+    loaded = [(cfg.drafters[0], first)]
+    for path in cfg.drafters[1:]:
+        drafter, _ = export.load(Path(path))
+        export.share_target_embedding(drafter, target)
+        loaded.append((path, drafter.eval()))
+    labels = [f"{Path(path).parent.name or path}" for path, _ in loaded]
+    prompts = [p.ids for p in evalsets.prompts(cfg.eval, target, cfg.max_new_tokens)]
+    held_out, timed = prompts[: cfg.calibration_prompts], prompts[cfg.calibration_prompts :]
+    if not timed:
+        raise UserError(f"eval gives {len(prompts)} prompts, all taken by calibration_prompts="
+                        f"{cfg.calibration_prompts}: ask for more (eval.num_prompts) or fewer")
+    rows = rows_of([(label, drafter, export.training_record(path)) for label, (path, drafter) in zip(labels, loaded)],
+                   cfg)
+    temperatures = {}
+    for label, (_, drafter) in zip(labels, loaded):
+        k = max(row.k for row in rows if row.drafter is drafter)
+        temperatures[label] = calibrate(target, drafter, k, held_out, cfg)
+    compare.run(target, rows, timed, cfg)
+    table = compare.summary(rows)
+    drafters = {}
+    for label, (path, drafter) in zip(labels, loaded):
+        plan_row = next(row for row in rows if row.drafter is drafter and row.drafting.plan)
+        planner = make_planner(target, drafter, plan_row.k, plan_row.drafting)
+        write_tables(label, path, temperatures[label], target, planner, cfg, out)
+        fixed = [r for r in table if r["method"].startswith(f"{label} K=")]
+        drafters[label] = {"export": path, "reliability": reliability(plan_row, temperatures[label]),
+                           "step_costs_ms": planner.costs.verify_ms, "drafter_ms": planner.drafter_ms(),
+                           "per_pass": planner.per_pass,
+                           "best_fixed_k": max(fixed, key=lambda r: r["tokens_per_second"])["method"]}
+    result = {"rows": table, "drafters": drafters, "target": target.name_or_path, "config": asdict(cfg),
+              "git_revision": report.git_revision(), "machine": report.machine()}
+    write_result(out, result, markdown(table, drafters), "planning.json", "planning.md")
+
+
+if __name__ == "__main__":
+    run_cli(main)
