@@ -44,6 +44,12 @@ intact), no silent overwrite, and refusing corrupt or truncated files.
   .gguf (speculators/export_gguf.py); written, not read back. The tokenizer comes from the target the
   source records or --target (best: the .gguf llama.cpp will serve as the target).
 
+- trtllm (TensorRT-LLM's PyTorch backend, `trtllm-serve TARGET --config OUT/trtllm_serving.yaml`): EAGLE-3 only,
+  the layout NVIDIA ModelOpt's exporter writes (speculators/export_trtllm.py): its config template with an
+  eagle_config dict, weights layers.0.*, fc, norm, lm_head and d2t (no embeddings, no t2d), and beside them the
+  serving YAML with the capture layers in TensorRT-LLM's numbering (ours minus one). TensorRT-LLM's DFlash
+  takes the mask token's embedding from the target, and ours is learned: DFlash and DSpark are not written.
+
 Any export converts to another format that can hold the drafter:
     python -m speculators.export SRC OUT --format eagle3
 
@@ -71,7 +77,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig
 
 from common.config import UserError
-from speculators import draft_vocab, export_gguf, gguf_file
+from speculators import draft_vocab, export_gguf, export_trtllm, gguf_file
 from speculators.layers import decoding_linears, rope_theta
 
 SPECULATORS_VERSION = "0.3.0"
@@ -315,6 +321,8 @@ class Format(NamedTuple):
     save: Callable | None = None  # (drafter, out, Verifier, overwrite) -> path: a format that is not a folder
     extra_file: str | None = None  # a torch.save file beside the weights, under its name in the weights dict
     left_to_target: tuple[str, ...] = ()  # weights an export may leave out: the target's (share_target_embedding)
+    families: tuple[str, ...] = ()  # families it holds besides those whose class names it in export_formats
+    beside: Callable | None = None  # (drafter, out) -> {file name: text} written beside config.json
 
 
 # A drafter class names the formats that hold it in `export_formats`.
@@ -334,6 +342,9 @@ FORMATS = {
     "gguf": Format(None, None, None,
                    save=lambda drafter, out, verifier, overwrite: export_gguf.save(drafter, out, verifier.name_or_path,
                                                                                    overwrite)),
+    # TensorRT-LLM (PyTorch backend): ModelOpt's EAGLE-3 layout and a serving YAML (speculators/export_trtllm.py).
+    "trtllm": Format(export_trtllm.write, export_trtllm.read, lambda config: None,
+                     left_to_target=("embed_tokens.weight",), families=("eagle3",), beside=export_trtllm.serving_files),
 }
 
 
@@ -341,7 +352,7 @@ def families_of(fmt: str) -> list[str]:
     """The drafter families a format holds, as their classes say (export_formats)."""
     from speculators.families import FAMILIES
 
-    return [name for name, cls in FAMILIES.items() if fmt in cls.export_formats]
+    return [name for name, cls in FAMILIES.items() if fmt in cls.export_formats or name in FORMATS[fmt].families]
 
 
 def family_class(name: str, fmt: str) -> type:
@@ -362,7 +373,7 @@ def format_of(config: dict) -> str | None:
     if "medusa_num_heads" in config:
         return "medusa"
     if config.get("architectures") == ["LlamaForCausalLMEagle3"]:
-        return "eagle3"
+        return "trtllm" if "next_layer_regular" in (config.get("eagle_config") or {}) else "eagle3"  # ModelOpt's key
     if config.get("architectures") == ["DFlashDraftModel"]:
         return "dflash"
     # EAGLE-1: the plain one-layer Llama config EAGLE writes, naming its base model as ours do.
@@ -382,7 +393,7 @@ def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, tr
     fmt = fmt or drafter.export_format
     if fmt not in FORMATS:
         raise UserError(f"unknown export format {fmt!r}; allowed: {', '.join(FORMATS)}")
-    if fmt not in drafter.export_formats:
+    if fmt not in drafter.export_formats and drafter.family not in FORMATS[fmt].families:
         raise UserError(f"the {fmt} format holds {', '.join(families_of(fmt))} drafters, not {drafter.family}")
     if FORMATS[fmt].save is not None:
         return FORMATS[fmt].save(drafter, out_dir, verifier, overwrite)
@@ -392,10 +403,11 @@ def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, tr
     weights = stored_in(dtype, weights)
     record_dtype(config, floating_dtype(weights))
     out_dir = Path(out_dir)
+    texts = FORMATS[fmt].beside(drafter, out_dir) if FORMATS[fmt].beside else {}
     check_writable(out_dir, overwrite)
     partial = out_dir.with_name(out_dir.name + ".partial")
     try:
-        write_folder(partial, FORMATS[fmt], config, weights, extra, training)
+        write_folder(partial, FORMATS[fmt], config, weights, extra, training, texts)
         move_into_place(partial, out_dir)
     except (OSError, SafetensorError) as error:  # a full disk, a read-only folder
         raise disk_error(out_dir, error) from None
@@ -404,7 +416,8 @@ def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, tr
     return out_dir
 
 
-def write_folder(folder: Path, fmt: Format, config: dict, weights: dict, extra, training: dict | None) -> None:
+def write_folder(folder: Path, fmt: Format, config: dict, weights: dict, extra, training: dict | None,
+                 texts: dict[str, str]) -> None:
     remove(folder)
     folder.mkdir(parents=True)
     weights_file = folder / fmt.weights_file
@@ -415,6 +428,8 @@ def write_folder(folder: Path, fmt: Format, config: dict, weights: dict, extra, 
         torch.save(extra, folder / fmt.extra_file)
     if training is not None:
         (folder / "training.json").write_text(json.dumps(training, indent=2))
+    for name, text in texts.items():
+        (folder / name).write_text(text)
     sync(folder)
 
 
@@ -435,7 +450,7 @@ def sync_file(path: Path) -> None:
 def without_shared_embedding(drafter, fmt: str, weights: dict, shared_embedding: bool) -> dict:
     """The weights without embed_tokens where it is the target's: asked (shared_embedding), or never loaded
     (an export that left it to the target: what the drafter holds there is not the target's)."""
-    if shared_embedding and (drafter.cfg.family != "eagle3" or fmt not in ("speculators", "eagle3")):
+    if shared_embedding and (drafter.cfg.family != "eagle3" or fmt not in ("speculators", "eagle3", "trtllm")):
         raise UserError(f"shared_embedding: only EAGLE-3 drafters in the speculators and eagle3 formats leave out "
                         f"their embeddings (a {drafter.cfg.family} drafter in the {fmt} format keeps its own)")
     left = "embed_tokens.weight" in getattr(drafter, "left_to_target", ())

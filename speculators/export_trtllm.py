@@ -1,0 +1,148 @@
+"""EAGLE-3 drafters in the layout TensorRT-LLM's PyTorch backend serves, as NVIDIA ModelOpt exports it
+(modelopt/torch/export/plugins/hf_spec_export.py, EagleExporter, with the llama_eagle_template_config of
+hf_spec_configs.py):
+
+- config.json: that template's keys in its order, filled from the draft layer's Llama config (vocab_size
+  the target's, draft_vocab_size ours), rope_scaling the layer's rope parameters, and an eagle_config dict
+  with ModelOpt's EAGLE-3 settings. TensorRT-LLM loads a draft config with draft_vocab_size as EAGLE-3
+  (LlamaForCausalLMEagle3 -> EAGLE3LlamaForCausalLM).
+- model.safetensors: layers.0.* (ModelOpt's names; TensorRT-LLM also reads midlayer.*), fc.weight,
+  norm.weight, lm_head.weight, and d2t (int64 offsets, as ours) when the draft vocabulary is reduced.
+  No embeddings (TensorRT-LLM takes the target's; ours are a frozen copy) and no t2d (ModelOpt writes
+  none; it is rebuilt from d2t when read back).
+- trtllm_serving.yaml beside them: the speculative_config for `trtllm-serve --config`. TensorRT-LLM takes
+  the capture layers from there, numbered "output of layer i" (HF hidden_states[i + 1]): ours minus one,
+  as ModelOpt's eagle_aux_hidden_state_layer_ids are (its default {1, L//2-1, L-4} is our [2, L//2, L-3]).
+
+ModelOpt's layout has no place for the EAGLE-3.1 options, norm_before_residual, or a drafter narrower than
+its target (fc is len(layers) * hidden_size wide): those are refused, as are other families.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import LlamaConfig
+
+from common.config import UserError
+from speculators import draft_vocab
+from speculators.layers import rope_theta
+
+SERVING_FILE = "trtllm_serving.yaml"
+# ModelOpt's EAGLE-3 settings for a drafter like ours: aux features through fc, input_layernorm on the
+# first layer, a final norm, no MTP norm, one regular draft layer, no parallel drafting.
+MODELOPT_EAGLE3_SETTINGS = {"use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True,
+                            "use_last_layernorm": True, "use_mtp_layernorm": False, "next_layer_regular": True,
+                            "parallel_draft_step": 1, "parallel_draft_heads_num_layers": 1}
+# Keys of this config.json that are not fields of the draft layer's LlamaConfig.
+FORMAT_KEYS = ("architectures", "model_type", "draft_vocab_size", "eagle_config", "rope_scaling", "rope_theta",
+               "torch_dtype", "dtype", "transformers_version")
+
+
+def write(drafter, verifier) -> tuple[dict, dict]:
+    check_holds(drafter)
+    draft_vocab.check(drafter.d2t, drafter.t2d, len(drafter.t2d), drafter.cfg.draft_vocab_size)
+    return config_of(drafter), weights_of(drafter)
+
+
+def check_holds(drafter) -> None:
+    """Refuse what ModelOpt's layout cannot say: TensorRT-LLM would load it and compute something else."""
+    if drafter.cfg.norm_before_residual:
+        raise UserError("the trtllm format has no norm_before_residual=true; export this drafter in the speculators format")
+    if drafter.eagle31_flags:
+        raise UserError(f"the trtllm format has no {', '.join(drafter.eagle31_flags)} (EAGLE-3.1); export this "
+                        f"drafter in the speculators format")
+    if drafter.target_hidden_size != drafter.layer_cfg.hidden_size:
+        raise UserError(f"the trtllm format needs the drafter as wide as its target (hidden {drafter.layer_cfg.hidden_size}"
+                        f" vs the target's {drafter.target_hidden_size}); export it in the speculators format")
+
+
+def config_of(drafter) -> dict:
+    """ModelOpt's llama_eagle_template_config, key for key, filled for this drafter."""
+    layer = drafter.layer_cfg
+    theta = rope_theta(layer)
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "bos_token_id": layer.bos_token_id,
+        "eos_token_id": layer.eos_token_id,
+        "hidden_act": layer.hidden_act,
+        "hidden_size": layer.hidden_size,
+        "initializer_range": layer.initializer_range,
+        "intermediate_size": layer.intermediate_size,
+        "max_position_embeddings": layer.max_position_embeddings,
+        "model_type": "llama",
+        "num_attention_heads": layer.num_attention_heads,
+        "num_key_value_heads": layer.num_key_value_heads,
+        "num_hidden_layers": 1,
+        "pad_token_id": layer.pad_token_id,
+        "rms_norm_eps": layer.rms_norm_eps,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",  # save() records the stored dtype
+        "transformers_version": getattr(layer, "transformers_version", None) or transformers.__version__,
+        "use_cache": True,
+        "vocab_size": len(drafter.t2d),
+        "draft_vocab_size": drafter.cfg.draft_vocab_size,
+        "rope_scaling": rope_scaling(layer, theta),
+        "attention_bias": layer.attention_bias,
+        "attention_dropout": layer.attention_dropout,
+        "head_dim": layer.head_dim,
+        "mlp_bias": layer.mlp_bias,
+        "pretraining_tp": getattr(layer, "pretraining_tp", 1),
+        "rope_theta": theta,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": capture_layers(drafter.layer_ids),
+                         **MODELOPT_EAGLE3_SETTINGS},
+    }
+
+
+def rope_scaling(layer: LlamaConfig, theta: float) -> dict:
+    """The layer's rope parameters, rope_theta included (transformers 5 reads it there, 4 at the top)."""
+    params = dict(getattr(layer, "rope_parameters", None) or getattr(layer, "rope_scaling", None) or {})
+    return {"rope_type": params.pop("rope_type", "default"), **params, "rope_theta": theta}
+
+
+def capture_layers(layer_ids: list[int]) -> list[int]:
+    """Our layer id k (HF hidden_states[k], the input of layer k) as "output of layer k - 1"."""
+    return [k - 1 for k in layer_ids]
+
+
+def weights_of(drafter) -> dict:
+    weights = {name: t for name, t in drafter.state_dict().items() if name not in ("embed_tokens.weight", "t2d")}
+    if drafter.cfg.draft_vocab_size == len(drafter.t2d):
+        weights.pop("d2t")  # ModelOpt has a d2t only for a reduced draft vocabulary
+    return weights
+
+
+def serving_files(drafter, out_dir: Path) -> dict[str, str]:
+    """trtllm_serving.yaml: what `trtllm-serve TARGET --backend pytorch --config` reads to serve this draft."""
+    path = json.dumps(str(Path(out_dir).resolve()))  # a JSON string is a YAML double-quoted scalar
+    return {SERVING_FILE: (
+        f"# trtllm-serve <target> --backend pytorch --config {SERVING_FILE}\n"
+        f"speculative_config:\n"
+        f"  decoding_type: Eagle3\n"
+        f"  max_draft_len: {drafter.k}\n"
+        f"  speculative_model: {path}\n"
+        f"  eagle3_layers_to_capture: {json.dumps(capture_layers(drafter.layer_ids))}\n")}
+
+
+def read(config: dict, weights: dict):
+    """An EAGLE-3 drafter from this layout (or ModelOpt's): t2d rebuilt from d2t, the full vocabulary
+    when there is no d2t; embed_tokens left to the target."""
+    from speculators.eagle3 import Eagle3Config, Eagle3Drafter
+
+    eagle = config.get("eagle_config") or {}
+    if not eagle.get("use_aux_hidden_state") or not eagle.get("eagle_aux_hidden_state_layer_ids"):
+        raise UserError("a TensorRT-LLM EAGLE-3 config.json needs eagle_config.use_aux_hidden_state and "
+                        "eagle_config.eagle_aux_hidden_state_layer_ids")
+    layer_cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in FORMAT_KEYS},
+                            rope_parameters=config.get("rope_scaling") or {"rope_type": "default",
+                                                                           "rope_theta": config["rope_theta"]})
+    V, N = layer_cfg.vocab_size, config["draft_vocab_size"]
+    d2t = weights.get("d2t", torch.zeros(N, dtype=torch.long))
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_vocab.target_ids(d2t).clamp(0, V - 1)] = True  # check() below refuses ids outside the vocabulary
+    draft_vocab.check(d2t, t2d, V, N)
+    layer_ids = [i + 1 for i in eagle["eagle_aux_hidden_state_layer_ids"]]
+    cfg = Eagle3Config(draft_vocab_size=N, intermediate_size=layer_cfg.intermediate_size)
+    drafter = Eagle3Drafter(cfg, layer_cfg, layer_ids, layer_cfg.hidden_size)
+    return drafter, dict(weights, d2t=d2t, t2d=t2d)
