@@ -6,6 +6,7 @@ full name and the keys that are allowed, never deep inside training.
 """
 
 import dataclasses
+import difflib
 import functools
 import math
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # `${project_root:}` in conf/ names files shipped in the repository (the default target).
@@ -41,6 +42,33 @@ class UserError(Exception):
     """Bad input a user can fix; the CLI prints it as one line, without a traceback."""
 
 
+# What to pass for a mandatory (`???`) key, by its full name or its last part.
+REQUIRED_VALUES = {
+    "drafter": "an export folder",
+    "out": "an output folder",
+    "target": "a conf/target name, a Hugging Face folder or hub id, or a .gguf",
+    "eval.path": "a prompts file",
+}
+
+
+def missing_value_message(keys: list[str]) -> str:
+    """'drafter=<an export folder> is required': the keys a command cannot run without."""
+    wanted = [f"{key}=<{REQUIRED_VALUES.get(key) or REQUIRED_VALUES.get(key.rpartition('.')[2], 'a value')}>"
+              for key in keys]
+    return f"{' and '.join(wanted)} {'is' if len(wanted) == 1 else 'are'} required"
+
+
+def unknown_key_message(full_key: str, existing) -> str:
+    """An unknown key, the existing keys nearest to it, and all the keys at its level."""
+    parent, _, name = full_key.rpartition(".")
+    existing = [str(k) for k in existing if k != "hydra"]  # Hydra's own settings: not what a typo meant
+    prefix = f"{parent}." if parent else ""
+    nearest = difflib.get_close_matches(name, existing, n=3)
+    hint = f"did you mean {' or '.join(repr(prefix + k) for k in nearest)}? " if nearest else ""
+    where = f"under {parent}" if parent else "at the top level"
+    return f"unknown config key '{full_key}': {hint}allowed {where}: {', '.join(existing)}"
+
+
 def to_dataclass(cls, cfg: DictConfig, key: str = ""):
     """Build dataclass `cls` from `cfg`; unknown keys and bad values raise UserError."""
     prefix = f"{key}." if key else ""
@@ -50,8 +78,10 @@ def to_dataclass(cls, cfg: DictConfig, key: str = ""):
         config = OmegaConf.to_object(merged)
     except ConfigKeyError as e:
         full_key = ".".join(k for k in (key, str(e.full_key or e.key)) if k)
-        allowed = ", ".join(f.name for f in dataclasses.fields(_owner_of(cls, str(e.full_key or e.key))))
-        raise UserError(f"unknown config key '{full_key}'; allowed: {allowed}") from None
+        allowed = [f.name for f in dataclasses.fields(_owner_of(cls, str(e.full_key or e.key)))]
+        raise UserError(unknown_key_message(full_key, allowed)) from None
+    except MissingMandatoryValue as e:
+        raise UserError(missing_value_message([".".join(k for k in (key, str(e.full_key)) if k)])) from None
     except OmegaConfBaseException as e:
         full_key = ".".join(k for k in (key, str(e.full_key or _failing_key(cls, cfg))) if k)
         raise UserError(f"bad value for '{full_key}': {_first_line(e)}") from None
@@ -164,6 +194,7 @@ def exit_on_user_error(task: Callable) -> Callable:
     def wrapped(*args, **kwargs):
         try:
             if args and isinstance(args[0], DictConfig):
+                check_no_missing(args[0])
                 check_resolvable(args[0])
             return task(*args, **kwargs)
         except UserError as e:
@@ -172,6 +203,13 @@ def exit_on_user_error(task: Callable) -> Callable:
             sys.exit(f"error: {e}")
 
     return wrapped
+
+
+def check_no_missing(cfg: DictConfig) -> None:
+    """Every `???` key given, before the task starts (and loads a model)."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise UserError(missing_value_message(missing))
 
 
 def check_resolvable(cfg: DictConfig) -> None:
@@ -210,4 +248,18 @@ def run_cli(hydra_main: Callable[[], None]) -> None:
     except (UserError, HydraException, OmegaConfBaseException) as e:
         if want_traceback:
             raise
-        sys.exit(f"error: {_one_line(e)}")
+        sys.exit(f"error: {_user_message(e)}")
+
+
+def _user_message(e: BaseException) -> str:
+    """One line for an error out of Hydra: an override of an unknown key names the keys that exist
+    (Hydra advises `+key=` to add it, which only moves the error to the dataclass)."""
+    from hydra.errors import ConfigCompositionException
+
+    cause = e.__cause__
+    if (isinstance(e, ConfigCompositionException) and isinstance(cause, (ConfigKeyError, ConfigAttributeError))
+            and isinstance(cause.parent_node, DictConfig) and cause.full_key):
+        return unknown_key_message(str(cause.full_key), cause.parent_node.keys())
+    if isinstance(e, MissingMandatoryValue) and e.full_key:
+        return missing_value_message([str(e.full_key)])
+    return _one_line(e)

@@ -189,6 +189,7 @@ SLOW = {
     "test_cache_integrity.py": {"test_train_cli_refuses_a_flipped_shard_in_one_line"},
     "test_chat_data.py": {"test_train_eagle3_on_sharegpt_end_to_end"},
     "test_cli.py": {"test_train_eagle3_end_to_end"},
+    "test_cli_grammar.py": {"test_misspelt_key_names_the_nearest_keys", "test_missing_value_names_the_key"},
     "test_compare.py": {"test_cli_end_to_end"},
     "test_ddp.py": {"test_two_processes_train_as_one_with_the_same_global_batch",
                     "test_train_py_with_trainer_ddp_runs_two_processes_and_exports_once",

@@ -4,11 +4,12 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from benchmarks.batch_sweep import BatchSweepConfig
 from benchmarks.bench import BenchConfig
 from benchmarks.llamacpp_bench import LlamacppBenchConfig
-from common.config import UserError, to_dataclass
+from common.config import UserError, _user_message, check_no_missing, to_dataclass
 from inference.report import InferenceConfig
 from speculators.families import family
 from train.recipes import RECIPES
@@ -95,3 +96,27 @@ def test_resume_continues_in_the_run_directory_it_names(tmp_path):
         chosen = compose("config", overrides=[f"resume={run}", f"hydra.run.dir={tmp_path / 'elsewhere'}"],
                          return_hydra_config=True)
     assert fresh.hydra.run.dir.startswith("runs/") and chosen.hydra.run.dir == str(tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize("override, nearest", [("trainer.max_stepz=3", "'trainer.max_steps'"),
+                                               ("data.batchsize=2", "'data.batch_size'"), ("quantt=int8", "'quant'")])
+def test_misspelt_key_names_the_nearest_keys_not_hydras_append(override, nearest):
+    with pytest.raises(Exception) as error:
+        composed(["conf=eagle3_pycode", override])
+    message = _user_message(error.value)
+    assert f"did you mean {nearest}?" in message and "+" not in message and "\n" not in message, message
+    assert "hydra" not in message  # Hydra's own node is no key a typo meant
+
+
+def test_misspelt_key_past_hydra_names_the_nearest_dataclass_field():
+    with pytest.raises(UserError, match=r"'trainer.max_stepz': did you mean 'trainer.max_steps'\? allowed under trainer:"):
+        typed(composed(["conf=eagle3_pycode", "+trainer.max_stepz=3"]))
+
+
+def test_missing_mandatory_value_names_the_key_and_what_to_pass():
+    with pytest.raises(UserError, match=r"^drafter=<an export folder> is required$"):
+        check_no_missing(composed([], CONF / "inference"))
+    with pytest.raises(UserError, match=r"^drafter=<an export folder> is required$"):
+        to_dataclass(InferenceConfig, OmegaConf.create({}))
+    with pytest.raises(UserError, match=r"^eval.path=<a prompts file> is required$"):
+        check_no_missing(composed(["conf=eagle3_pycode", "eval=file"]))
