@@ -451,8 +451,8 @@ def without_shared_embedding(drafter, fmt: str, weights: dict, shared_embedding:
     """The weights without embed_tokens where it is the target's: asked (shared_embedding), or never loaded
     (an export that left it to the target: what the drafter holds there is not the target's)."""
     if shared_embedding and (drafter.cfg.family != "eagle3" or fmt not in ("speculators", "eagle3", "trtllm")):
-        raise UserError(f"shared_embedding: only EAGLE-3 drafters in the speculators and eagle3 formats leave out "
-                        f"their embeddings (a {drafter.cfg.family} drafter in the {fmt} format keeps its own)")
+        raise UserError(f"shared_embedding: only EAGLE-3 drafters in the speculators, eagle3 and trtllm formats leave "
+                        f"out their embeddings (a {drafter.cfg.family} drafter in the {fmt} format keeps its own)")
     left = "embed_tokens.weight" in getattr(drafter, "left_to_target", ())
     if left and "embed_tokens.weight" not in FORMATS[fmt].left_to_target and "embed_tokens.weight" in weights:
         raise UserError(f"the {fmt} format stores the drafter's embeddings, and this drafter's export left them to "
