@@ -157,6 +157,14 @@ def test_shipped_drafter_equals_modelopts_export_of_the_same_weights(shipped_exp
         assert our_weights[name].shape == tensor.shape and our_weights[name].dtype == tensor.dtype, name
         assert torch.equal(our_weights[name], tensor), name
 
+    # A drafter ModelOpt exported loads here as the one it was made from (t2d rebuilt from d2t).
+    loaded, _ = export.load(tmp_path / "modelopt")
+    assert loaded.layer_ids == shipped_drafter.layer_ids and loaded.left_to_target == ("embed_tokens.weight",)
+    source = shipped_drafter.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        if name != "embed_tokens.weight":
+            assert torch.equal(tensor, source[name]), name
+
 
 def test_round_trip_serves_identically(llama_target, make_drafter, text_batch, tmp_path):
     from inference.engine import generate
