@@ -3,6 +3,8 @@
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import LAYER_IDS
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -12,6 +14,7 @@ from benchmarks.llamacpp_bench import LlamacppBenchConfig
 from common.config import UserError, _user_message, check_no_missing, to_dataclass
 from inference.report import InferenceConfig
 from speculators.families import family
+from speculators.target import FrozenTarget, TargetConfig
 from train.recipes import RECIPES
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -120,3 +123,22 @@ def test_missing_mandatory_value_names_the_key_and_what_to_pass():
         to_dataclass(InferenceConfig, OmegaConf.create({}))
     with pytest.raises(UserError, match=r"^eval.path=<a prompts file> is required$"):
         check_no_missing(composed(["conf=eagle3_pycode", "eval=file"]))
+
+
+@pytest.mark.parametrize("gpu, dtype, reason", [(False, "float32", "auto: no GPU"), (True, "bfloat16", "auto: a CUDA GPU")])
+def test_an_unset_target_dtype_follows_the_device(gpu, dtype, reason, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    target = to_dataclass(TargetConfig, composed(["conf=eagle3", "target.name_or_path=my/model"]).target, "target")
+    assert (target.dtype, target._dtype_reason) == (dtype, reason)
+    assert TargetConfig(name_or_path="my/model").dtype == dtype  # an export's target, named without a dtype
+    explicit = composed(["conf=eagle3", "target.name_or_path=my/model", "target.dtype=bfloat16"]).target
+    assert to_dataclass(TargetConfig, explicit, "target").dtype == "bfloat16"
+
+
+def test_the_target_says_its_automatic_dtype_at_load(llama_dir, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    target = FrozenTarget.load(TargetConfig(name_or_path=str(llama_dir), layer_ids=LAYER_IDS))
+    assert target.model.dtype == torch.float32
+    assert "target dtype: float32 (auto: no GPU)" in capsys.readouterr().out.splitlines()
+    FrozenTarget.load(TargetConfig(name_or_path=str(llama_dir), layer_ids=LAYER_IDS, dtype="float32"))
+    assert "target dtype" not in capsys.readouterr().out  # a dtype that was asked for goes unsaid
