@@ -54,7 +54,7 @@ class InferenceConfig:
         require(0 <= self.acceptance_tolerance < 1, "acceptance_tolerance", self.acceptance_tolerance,
                 "in [0, 1) (0: exact greedy verification)")
         if self.out is not None:  # before the target loads and the measurement runs, not after
-            from speculators.export import check_folder_writable
+            from common.files import check_folder_writable
 
             check_folder_writable(Path(self.out), "out")
 
@@ -145,6 +145,7 @@ def arm_report(target, per_turn: dict[int, "Tally"], cfg: InferenceConfig) -> di
         "outputs_match_baseline": all(r["matches_baseline"] for r in rows) if cfg.temperature == 0 else None,
         "weights_precision": describe(precision_breakdown(target.model)),
         "estimates": calibration.summary(total.spec.estimates) if total.spec.estimates else None,
+        "estimate_pairs": total.spec.estimates if cfg.drafting.plan else None,  # (position, estimate, accepted)
         "drift": drift(target, rows) if cfg.acceptance_tolerance else None,
         "prompts": rows,
         "config": asdict(cfg),
@@ -264,7 +265,7 @@ def peak_memory_mb() -> float:
 
 def write(report: dict, out_dir: Path) -> Path:
     """report.json and acceptance.png in out_dir, each whole or not at all; the table on the console."""
-    from speculators.export import check_folder_writable, write_atomically
+    from common.files import check_folder_writable, write_atomically
 
     check_folder_writable(out_dir)  # one line naming it, where a read-only disk would give a traceback
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -276,7 +277,7 @@ def write(report: dict, out_dir: Path) -> Path:
 
 def plot_acceptance(report: dict, path: Path) -> None:
     """The acceptance rate per draft position, drawn into a sibling file renamed over `path`."""
-    from speculators.export import disk_error
+    from common.files import disk_error
 
     partial = path.with_name(f".{path.stem}.partial{path.suffix}")  # the suffix names the image format
     rates = report["acceptance_rate_per_position"]

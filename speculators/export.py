@@ -62,11 +62,7 @@ stay out. config.json records the stored dtype (torch_dtype, and `dtype` where a
 A write the disk refuses (full, read-only) ends in one line naming the path and leaves nothing behind.
 """
 
-import contextlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -77,6 +73,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig
 
 from common.config import UserError
+from common.files import check_writable, disk_error, remove, sync_file, write_atomically
 from speculators import draft_vocab, export_gguf, export_trtllm, gguf_file
 from speculators.layers import decoding_linears, rope_theta
 
@@ -439,12 +436,6 @@ def sync(folder: Path) -> None:
         sync_file(file)
 
 
-def sync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def without_shared_embedding(drafter, fmt: str, weights: dict, shared_embedding: bool) -> dict:
@@ -503,68 +494,14 @@ def move_into_place(partial: Path, out_dir: Path) -> None:
     remove(previous)
 
 
-def remove(path: Path) -> None:
-    """Delete a folder or a file, if there is one."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            path.unlink(missing_ok=True)
 
 
-def check_writable(out_dir: Path, overwrite: bool, hint: str = "overwrite=true") -> None:
-    """An existing export is replaced only when asked: it may be the only copy of days of training. Its
-    folder is checked writable before anything is computed."""
-    if (out_dir.exists() or out_dir.is_symlink()) and not overwrite:
-        raise UserError(f"{out_dir} already exists; pass {hint} to replace it")
-    check_folder_writable(out_dir.parent)
 
 
-def disk_error(path: Path, error: Exception) -> UserError:
-    """One line for a write the disk refused (full, read-only, no permission), naming the path."""
-    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
-    return UserError(f"cannot write {path}: {reason}")
 
 
-def check_folder_writable(folder: Path, key: str | None = None) -> None:
-    """Refuse, before any long work, an output folder that cannot be created or written into; `key` is the
-    setting that named it. Tried by writing there; the folders it created for that are removed again."""
-    folder = Path(folder)
-    missing = [path for path in (folder, *folder.parents) if not path.exists()]  # deepest first
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as error:
-        raise UserError(f"{f'{key}=' if key else ''}{folder}: cannot write there ({error.strerror or error})") from None
-    finally:
-        for path in missing:
-            with contextlib.suppress(OSError):
-                path.rmdir()
 
 
-def write_atomically(path: Path, data: str | bytes) -> None:
-    """`path` whole or not at all: a sibling temporary file, synced, then renamed over it. A refused write
-    (a full disk) leaves the previous file as it was and nothing beside it."""
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    data = data.encode() if isinstance(data, str) else data
-    try:
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(partial, path)
-    except OSError as error:
-        remove(partial)
-        raise disk_error(path, error) from None
-    except BaseException:
-        remove(partial)
-        raise
 
 
 CALIBRATION_FILE = "sts.json"  # per-position temperatures of the drafter's acceptance estimates (inference/calibration.py)
@@ -659,12 +596,10 @@ def convert(source: Path, out: Path, fmt: str, target: str | None = None, overwr
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
+    from common.config import OneLineArgumentParser, exit_on_user_error
 
-    from common.config import exit_on_user_error
-
-    parser = argparse.ArgumentParser(prog="python -m speculators.export",
-                                     description="Convert a drafter export to another serving format.")
+    parser = OneLineArgumentParser(prog="python -m speculators.export",
+                                   description="Convert a drafter export to another serving format.")
     parser.add_argument("source", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--format", required=True, choices=sorted(FORMATS))

