@@ -60,33 +60,6 @@ def rows_of(drafters, cfg: PlanningConfig) -> list[compare.Method]:
     return rows
 
 
-def calibrate(target, drafter, k: int, prompts: list[list[int]], cfg: PlanningConfig) -> list[float] | None:
-    """Per-position temperatures from every draft up to K on `prompts` (None without calibration prompts)."""
-    from inference.engine import Stats, generate
-    from inference.planning import make_planner
-
-    if not prompts:
-        return None
-    drafting = DraftingConfig(plan=True)
-    planner = make_planner(target, drafter, k, drafting)
-    planner.trims, planner.temperatures = False, None
-    stats = Stats(k)
-    for ids in prompts:
-        stats.add(generate(target, drafter, ids, cfg.max_new_tokens, k, drafting=drafting).stats)
-    planner.trims = True
-    planner.temperatures = calibration.fit(stats.estimates, k)
-    return planner.temperatures
-
-
-def reliability(row: compare.Method, temperatures: list[float] | None) -> dict:
-    """The plan row's estimates as served (after scaling) and as the drafter gave them (before)."""
-    after = row.stats.estimates
-    inverse = [1 / t for t in temperatures] if temperatures else None
-    before = calibration.apply(after, inverse) if inverse else after
-    return {"before": calibration.summary(before), "after": calibration.summary(after),
-            "temperatures": temperatures}
-
-
 def markdown(table: list[dict], drafters: dict) -> str:
     lines = [compare.markdown(table), "", "| drafter | ECE before | ECE after | AUROC | Brier before | Brier after "
              "| temperatures |", "|---|---|---|---|---|---|---|"]
@@ -136,7 +109,7 @@ def main(cfg: DictConfig) -> None:
     temperatures = {}
     for label, (_, drafter) in zip(labels, loaded):
         k = max(row.k for row in rows if row.drafter is drafter)
-        temperatures[label] = calibrate(target, drafter, k, held_out, cfg)
+        temperatures[label] = calibration.fit_served(target, drafter, k, held_out, cfg.max_new_tokens)
     compare.run(target, rows, timed, cfg)
     table = compare.summary(rows)
     drafters = {}
@@ -145,7 +118,8 @@ def main(cfg: DictConfig) -> None:
         planner = make_planner(target, drafter, plan_row.k, plan_row.drafting)
         write_tables(label, path, temperatures[label], target, planner, cfg, out)
         fixed = [r for r in table if r["method"].startswith(f"{label} K=")]
-        drafters[label] = {"export": path, "reliability": reliability(plan_row, temperatures[label]),
+        drafters[label] = {"export": path,
+                           "reliability": calibration.before_and_after(plan_row.stats.estimates, temperatures[label]),
                            "step_costs_ms": planner.costs.verify_ms, "drafter_ms": planner.drafter_ms(),
                            "per_pass": planner.per_pass,
                            "best_fixed_k": max(fixed, key=lambda r: r["tokens_per_second"])["method"]}

@@ -94,3 +94,29 @@ def write_sts(temperatures: list[float], path: Path, target) -> None:
     path.write_text(json.dumps({"sts_temperatures": [round(t, 5) for t in temperatures],
                                 "target": target.name_or_path, "target_fingerprint": target.fingerprint()},
                                indent=1) + "\n")
+
+
+def fit_served(target, drafter, k: int, prompts: list[list[int]], max_new_tokens: int) -> list[float] | None:
+    """Per-position temperatures of `drafter`'s estimates from serving `prompts` with every draft up to K verified
+    (a plan that does not trim); the planner serving it next (drafting.plan) scales by them. None without prompts."""
+    from inference.drafting import DraftingConfig
+    from inference.engine import Stats, generate
+    from inference.planning import make_planner
+
+    if not prompts:
+        return None
+    drafting = DraftingConfig(plan=True)
+    planner = make_planner(target, drafter, k, drafting)
+    planner.trims, planner.temperatures = False, None
+    stats = Stats(k)
+    for ids in prompts:
+        stats.add(generate(target, drafter, ids, max_new_tokens, k, drafting=drafting).stats)
+    planner.trims, planner.temperatures = True, fit(stats.estimates, k)
+    return planner.temperatures
+
+
+def before_and_after(pairs: list[tuple[int, float, bool]], temperatures: list[float] | None) -> dict:
+    """Reliability of estimates served after scaling by `temperatures` (`pairs`), and of the same drafts' raw
+    estimates before it."""
+    before = apply(pairs, [1 / t for t in temperatures]) if temperatures else pairs
+    return {"before": summary(before), "after": summary(pairs), "temperatures": temperatures}

@@ -197,3 +197,9 @@ def test_train_dspark_end_to_end(llama_dir, tmp_path):
     report = json.loads((run_dir / "acceptance" / "report.json").read_text())
     assert list(report["k_sweep"]) == ["1", "3"]  # the recipe's ks=[1, 3, 8] up to the block's 4 drafts
     assert report["outputs_match_baseline"] is True
+    plan = report["plan"]  # a confidence head: the report serves the plan too, calibrated on held-out data
+    assert plan["outputs_match_baseline"] is True and 1 <= plan["drafts_per_verify"] <= 3
+    assert plan["reliability"]["after"]["all"]["drafts"] > 0 and "ece" in plan["reliability"]["before"]["all"]
+    assert json.loads((run_dir / "export" / "sts.json").read_text())["sts_temperatures"]
+    assert json.loads((run_dir / "export" / "sps.json").read_text())["step_time_ms"]
+    assert "planned (drafting.plan, up to K=3)" in result.stdout

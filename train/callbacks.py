@@ -39,10 +39,14 @@ class ServeEvalConfig:
     num_prompts: int = 2
     max_new_tokens: int = 32
     ks: list[int] | None = None  # K the closing report measures (those up to the drafter's depth); None: 1 to it
+    plan: bool | None = None  # the closing report also serves drafting.plan, calibrated on the data's held-out
+    # conversations (sts.json and sps.json beside the export); None: for drafters with a confidence head (DSpark)
+    calibration_prompts: int = 4  # held-out conversations of the training data that fit the calibration
 
     def __post_init__(self):
         at_least(0, serve_eval__every_n_steps=self.every_n_steps)
-        at_least(1, serve_eval__num_prompts=self.num_prompts, serve_eval__max_new_tokens=self.max_new_tokens)
+        at_least(1, serve_eval__num_prompts=self.num_prompts, serve_eval__max_new_tokens=self.max_new_tokens,
+                 serve_eval__calibration_prompts=self.calibration_prompts)
         require(self.ks is None or (self.ks and min(self.ks) >= 1), "serve_eval.ks", self.ks,
                 "a list of K >= 1, or null for 1 to the drafter's depth")
 

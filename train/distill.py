@@ -4,7 +4,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from common.config import UserError, require, to_dataclass
-from inference import evalsets, report
+from inference import calibration, evalsets, report
+from inference.drafting import DraftingConfig
+from inference.planning import make_planner
 from speculators import draft_vocab, export
 from speculators.families import family
 from speculators.target import FrozenTarget
@@ -62,7 +64,8 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     if cached:
         target = FrozenTarget.load(recipe.target, recipe.quant).to(module.device)  # the whole target, to serve
     prompts = eval_prompts(recipe, target, datamodule.files["test"])
-    report_path = acceptance_report(served_export(export_dir, target), target, recipe, prompts, offline, export_dir)
+    report_path = acceptance_report(served_export(export_dir, target), target, recipe, prompts, offline, export_dir,
+                                    datamodule.files["test"])
     print(f"\nexport: {export_dir}\nacceptance report: {report_path}")
 
 
@@ -119,7 +122,7 @@ def eval_prompts(recipe: DrafterRecipe, target, test, turns: int | None = None) 
 
 
 def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[evalsets.Prompt], offline: dict,
-                      export_dir: Path) -> Path:
+                      export_dir: Path, test) -> Path:
     """Serve the exported drafter with the bundled engine on held-out prompts at each K of serve_eval.ks, against
     target-only decoding in the same run: the figures a serving engine would see. The fastest K goes into
     the export (what engines serve unless told otherwise); the init_from export, served on the same prompts,
@@ -127,11 +130,17 @@ def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[eval
     ks = [k for k in recipe.serve_eval.ks or range(1, drafter.depth + 1) if k <= drafter.depth] or [drafter.depth]
     before = served_export(recipe.init_from, target) if recipe.init_from else None
     arms = {k: (drafter, k) for k in sorted(set(ks) | ({before.k} if before else set()))}
+    extra = {"before": (before, before.k)} if before else {}
+    planned = plans(recipe, drafter)
+    if planned:
+        temperatures = calibrate(recipe, target, drafter, max(ks), export_dir, test)
+        extra["plan"] = (drafter, max(ks), DraftingConfig(plan=True))
     cfg = report.InferenceConfig(drafter=str(export_dir), quant=recipe.quant, eval=recipe.eval)
-    results = report.measure_arms(target, arms | ({"before": (before, before.k)} if before else {}), prompts, cfg)
+    results = report.measure_arms(target, arms | extra, prompts, cfg)
     best = max(arms, key=lambda k: results[k]["speedup"])
     export.set_best_k(export_dir, best)
     result = results[best] | {
+        "plan": plan_summary(results["plan"], temperatures, target, drafter, export_dir) if planned else None,
         "k_sweep": {str(k): summary(results[k]) for k in arms},
         "init_from": {"path": recipe.init_from, **summary(results["before"]),
                       "this_run": summary(results[before.k])} if before else None,
@@ -140,6 +149,36 @@ def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[eval
     path = report.write(result, export_dir.parent / "acceptance")
     print(closing_lines(result, export_dir))
     return path
+
+
+def plans(recipe: DrafterRecipe, drafter) -> bool:
+    """Whether the closing report serves drafting.plan: serve_eval.plan, or by default where the drafter has a
+    confidence head."""
+    chosen = recipe.serve_eval.plan
+    return chosen if chosen is not None else hasattr(drafter, "confidence_head")
+
+
+def calibrate(recipe: DrafterRecipe, target, drafter, k: int, export_dir: Path, test) -> list[float] | None:
+    """Per-position temperatures of the drafter's estimates, fitted on held-out conversations of the training
+    data (not the report's prompts), written beside the export as sts.json (TensorRT-LLM's layout)."""
+    held_out = replace(recipe, eval=replace(recipe.eval, name="data", turns=1,
+                                            num_prompts=recipe.serve_eval.calibration_prompts))
+    prompts = [p.ids for p in eval_prompts(held_out, target, test)]
+    announce(f"calibrating the drafter's acceptance estimates on {len(prompts)} held-out conversations")
+    temperatures = calibration.fit_served(target, drafter, k, prompts, REPORT_NEW_TOKENS)
+    if temperatures:
+        calibration.write_sts(temperatures, export_dir / export.CALIBRATION_FILE, target)
+    return temperatures
+
+
+def plan_summary(figures: dict, temperatures, target, drafter, export_dir: Path) -> dict:
+    """The planned arm: its figures, the estimates' reliability before and after calibration, and the step costs
+    it planned with (written beside the export as sps.json, TensorRT-LLM's layout)."""
+    planner = make_planner(target, drafter, figures["config"]["k"], DraftingConfig(plan=True))
+    planner.costs.write_sps(export_dir / "sps.json", planner.drafter_ms())
+    return summary(figures) | {"drafts_per_verify": figures["num_draft_tokens"] / max(figures["num_drafts"], 1),
+                               "reliability": calibration.before_and_after(figures["estimate_pairs"], temperatures),
+                               "step_costs_ms": planner.costs.verify_ms}
 
 
 def served_export(path, target: FrozenTarget):
@@ -161,6 +200,14 @@ def closing_lines(result: dict, export_dir: Path) -> str:
     lines = [f"served at each K against target-only decoding, same prompts: {sweep}",
              f"fastest: K={result['config']['k']} ({result['speedup']:.2f}x, outputs identical to target-only: "
              f"{result['outputs_match_baseline']}), recorded in {export_dir / 'config.json'} (speculative_tokens)"]
+    if result["plan"]:
+        plan, reliability = result["plan"], result["plan"]["reliability"]
+        ece = f"ECE {reliability['before']['all']['ece']:.3f} -> {reliability['after']['all']['ece']:.3f}" \
+            if reliability["after"]["all"].get("drafts") else "no estimates"
+        lines.append(f"planned (drafting.plan, up to K={plan['k']}): tau {plan['acceptance_length']:.2f}, "
+                     f"{plan['speedup']:.2f}x, {plan['drafts_per_verify']:.2f} drafts verified per step; "
+                     f"estimates calibrated on held-out data ({ece}): {export_dir / 'sts.json'}, step costs: "
+                     f"{export_dir / 'sps.json'}")
     if result["init_from"]:
         before, after = result["init_from"], result["init_from"]["this_run"]
         lines.append(f"started from {before['path']}: tau {before['acceptance_length']:.3f} at K={before['k']} "
