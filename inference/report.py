@@ -344,7 +344,7 @@ def table(report: dict) -> str:
            f"per token {report['drift']['log_likelihood_per_token']:.3f} vs "
            f"{report['drift']['baseline_log_likelihood_per_token']:.3f}"] if report.get("drift") else []),
         *([f"target weights: {report['weights_precision']}"]
-          if report["config"]["quant"]["scheme"] != "none" and report.get("weights_precision") else []),
+          if report.get("weights_precision") and report["config"]["quant"]["scheme"] != "none" else []),
         f"outputs match target-only greedy: {report['outputs_match_baseline']}" + (
             " (w8a8 rounds activations, which amplifies last-bit differences between a 1-token and a "
             "(k+1)-token forward: lossless in distribution, not always token for token)"

@@ -520,7 +520,10 @@ def load(path: Path) -> tuple[torch.nn.Module, str | None]:
     extra = FORMATS[fmt].extra_file
     if extra is not None and (path / extra).is_file():
         weights[extra] = torch.load(path / extra, map_location="cpu", weights_only=True)
-    drafter, weights = FORMATS[fmt].read(config, weights)
+    try:
+        drafter, weights = FORMATS[fmt].read(config, weights)
+    except KeyError as e:  # a hand-edited or foreign config.json
+        raise UserError(f"{path}/config.json has no {e.args[0]!r}, which a {fmt} export needs") from None
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     drafter.left_to_target = tuple(name for name in missing if name in FORMATS[fmt].left_to_target)
     drafter.stored_dtype = stored_dtype  # what a conversion keeps unless told otherwise

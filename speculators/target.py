@@ -20,6 +20,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from accelerate.utils.modeling import align_module_device
@@ -47,6 +48,16 @@ LOGIT_TRANSFORMS = {
     "logit_scale": ("multiplies its logits by {}", 1.0, lambda z, s: z * s),
     "lm_head_multiplier": ("multiplies its logits by {}", 1.0, lambda z, s: z * s),
 }
+
+
+def missing_folder(name_or_path) -> str | None:
+    """Why a target named like a local path did not load, where the folder is not there (not a bad hub id)."""
+    path = Path(str(name_or_path))
+    looks_local = path.is_absolute() or str(name_or_path).startswith((".", "~")) or path.parent.is_dir() and \
+        str(path.parent) not in ("", ".")
+    if looks_local and not path.expanduser().exists():
+        return f"no such folder {path} (a local target folder, or a hub id such as org/name)"
+    return None
 
 
 def auto_dtype() -> tuple[str, str]:
@@ -115,7 +126,8 @@ class TargetShape:
         try:
             config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
         except (OSError, ValueError) as e:
-            raise UserError(f"cannot load target {cfg.name!r}: {str(e).splitlines()[0]}") from None
+            reason = missing_folder(cfg.name_or_path) or str(e).splitlines()[0]
+            raise UserError(f"cannot load target {cfg.name!r}: {reason}") from None
         text = config.get_text_config()
         return cls(cfg.name, text.hidden_size, text.vocab_size, text.num_hidden_layers)
 
@@ -223,7 +235,7 @@ class FrozenTarget:
             finally:
                 hf_logging.set_verbosity(verbosity)
         except (OSError, ValueError) as e:
-            raise UserError(f"cannot load target {cfg.name!r}: {str(e).splitlines()[0]}") from None
+            raise UserError(f"cannot load target {cfg.name!r}: {missing_folder(folder) or str(e).splitlines()[0]}") from None
         model.config.get_text_config().num_hidden_layers = num_layers  # what the drafter and the exports describe is the whole target
         fingerprint = weights_fingerprint(model)  # of the weights as stored: serving quantized is the same target
         model = decoding_linears(quantize(model, quant, tokenizer, source))  # few-row CPU products through our kernel

@@ -196,6 +196,7 @@ def test_train_dspark_end_to_end(llama_dir, tmp_path):
     assert config["speculators_model_type"] == "dspark" and config["block_size"] == 4
     report = json.loads((run_dir / "acceptance" / "report.json").read_text())
     assert list(report["k_sweep"]) == ["1", "3"]  # the recipe's ks=[1, 3, 8] up to the block's 4 drafts
+    assert "serve_eval.ks [8]: beyond the 4 drafts this drafter was trained for" in result.stdout
     assert report["outputs_match_baseline"] is True
     plan = report["plan"]  # a confidence head: the report serves the plan too, calibrated on held-out data
     assert plan["outputs_match_baseline"] is True and 1 <= plan["drafts_per_verify"] <= 3

@@ -128,6 +128,9 @@ def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[eval
     the export (what engines serve unless told otherwise); the init_from export, served on the same prompts,
     shows what this run added. Beside them, the per-step accuracy of validation (teacher-forced)."""
     ks = [k for k in recipe.serve_eval.ks or range(1, drafter.depth + 1) if k <= drafter.depth] or [drafter.depth]
+    if beyond := [k for k in recipe.serve_eval.ks or [] if k > drafter.depth]:
+        announce(f"serve_eval.ks {beyond}: beyond the {drafter.depth} drafts this drafter was trained for; the closing "
+                 f"report measures {ks}")
     before = served_export(recipe.init_from, target) if recipe.init_from else None
     arms = {k: (drafter, k) for k in sorted(set(ks) | ({before.k} if before else set()))}
     extra = {"before": (before, before.k)} if before else {}
