@@ -54,7 +54,7 @@ def rows_of(drafters, cfg: PlanningConfig) -> list[compare.Method]:
     rows = [compare.Method("target_only", None, DraftingConfig())]
     for label, drafter, training in drafters:
         own = serving_k(drafter, None)
-        ks = sorted({k for k in (cfg.ks or range(1, own + 1)) if k <= drafter.depth or drafter.drafts_beyond_depth})
+        ks = sorted({k for k in (cfg.ks or range(1, own + 1)) if k <= drafter.depth}) or [own]
         rows += [compare.Method(f"{label} K={k}", drafter, DraftingConfig(), training, k) for k in ks]
         rows.append(compare.Method(f"{label} plan", drafter, DraftingConfig(plan=True), training, max(ks)))
     return rows

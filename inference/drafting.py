@@ -167,6 +167,8 @@ class ChainProposer(DrafterCacheProposer):
         verified, tokens, probs, estimates = self.cache.length, [], [], []
         logits, hidden = self.logits, self.hidden
         for i in range(self.k):
+            if i and self.planner and not self.planner.keep_going(estimates + estimates[-1:], self.k):
+                break  # not worth a drafter step even if this draft is as likely as the last one
             if i:
                 logits, hidden = self.drafter.step(self.cache, torch.tensor([tokens[-1:]], device=self.device),
                                                    hidden[:, -1:])
@@ -438,12 +440,12 @@ class BlockProposer(ParallelProposer):
         self.unread = None
         tokens, probs, estimates, state = [], [], [], None
         for j in range(self.k):
-            logits, confidence, state = self.drafter.slot(normed[j], prev, state)
-            if self.planner:
-                estimates.append(self.planner.calibrated(j + 1, confidence))
+            if self.planner:  # the confidence first: a slot not worth verifying is never decoded
+                estimates.append(self.planner.calibrated(j + 1, self.drafter.slot_confidence(normed[j], prev)))
                 if j and not self.planner.keep_going(estimates, self.k):
                     estimates.pop()
                     break
+            logits, state = self.drafter.slot(normed[j], prev, state)
             if temperature == 0:
                 prev = int(self.to_target[logits.argmax()])
             else:

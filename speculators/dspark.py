@@ -187,9 +187,12 @@ class DSparkDrafter(DFlashDrafter):
         return self.norm(self.block_hidden(cache, tokens, hidden))
 
     @torch.no_grad()
+    def slot_confidence(self, normed: torch.Tensor, prev_token: int) -> float:
+        """The confidence logit of one slot, normed [H], given the token before it (its logits not needed)."""
+        return float(self.confidence(normed, self.markov_head.markov_w1.weight[prev_token]))
+
+    @torch.no_grad()
     def slot(self, normed: torch.Tensor, prev_token: int, state):
-        """(draft-vocab logits [N], confidence logit, next Markov state) of one slot, normed [H], given the token
-        before it."""
-        prev_emb = self.markov_head.markov_w1.weight[prev_token]
-        bias, state = self.markov_head.step(prev_emb, normed, state)
-        return self.lm_head(normed) + bias, float(self.confidence(normed, prev_emb)), state
+        """(draft-vocab logits [N], next Markov state) of one slot, normed [H], given the token before it."""
+        bias, state = self.markov_head.step(self.markov_head.markov_w1.weight[prev_token], normed, state)
+        return self.lm_head(normed) + bias, state

@@ -66,8 +66,9 @@ def test_training_bias_is_the_serving_bias_of_the_true_previous_tokens(llama_tar
         normed = drafter.draft_block(cache, ids[:, 1 : anchor + 1], features[:, :anchor])
         state = None
         for j in range(B):
-            logits, confidence, state = drafter.slot(normed[j], int(ids[0, anchor + j]), state)
+            logits, state = drafter.slot(normed[j], int(ids[0, anchor + j]), state)
             torch.testing.assert_close(logits, trained[j], rtol=1e-5, atol=1e-5)
+            confidence = drafter.slot_confidence(normed[j], int(ids[0, anchor + j]))
             assert confidence == pytest.approx(float(trained_conf[j]), abs=1e-5)
     assert family("dspark") is DSparkDrafter and drafter.depth == B
 
