@@ -167,7 +167,7 @@ class ChainProposer(DrafterCacheProposer):
         verified, tokens, probs, estimates = self.cache.length, [], [], []
         logits, hidden = self.logits, self.hidden
         for i in range(self.k):
-            if i and self.planner and not self.planner.keep_going(estimates + estimates[-1:], self.k):
+            if i and self.planner and not self.planner.keep_going(estimates + estimates[-1:], self.k, spent=i):
                 break  # not worth a drafter step even if this draft is as likely as the last one
             if i:
                 logits, hidden = self.drafter.step(self.cache, torch.tensor([tokens[-1:]], device=self.device),
@@ -177,7 +177,7 @@ class ChainProposer(DrafterCacheProposer):
                 break
             if self.planner:
                 estimates.append(self.planner.calibrated(i + 1, logit(top)))
-                if i and not self.planner.keep_going(estimates, self.k):
+                if i and not self.planner.keep_going(estimates, self.k, spent=i + 1):  # its step is paid for
                     estimates.pop()
                     break
             if temperature == 0:

@@ -150,17 +150,19 @@ class Planner:
         if self.per_pass or drafts:
             self.draft_ms.append(1000 * seconds / (1 if self.per_pass else drafts))
 
-    def cost(self, n: int) -> float:
-        draft = self.drafter_ms() * (1 if self.per_pass else n)
+    def cost(self, n: int, spent: int = 0) -> float:
+        """A cycle verifying n drafts, of which the drafter has already drafted `spent` (a chain's steps are paid
+        whether or not their drafts are verified)."""
+        draft = self.drafter_ms() * (1 if self.per_pass else max(n, spent))
         return draft + self.costs.verify(n + 1)
 
-    def rates(self, estimates: list[float]) -> list[float]:
+    def rates(self, estimates: list[float], spent: int = 0) -> list[float]:
         """Expected tokens per millisecond of verifying n = 0..len(estimates) drafts."""
-        rates, survival, expected = [1 / self.cost(0)], 1.0, 1.0
+        rates, survival, expected = [1 / self.cost(0, spent)], 1.0, 1.0
         for n, c in enumerate(estimates, 1):
             survival *= c
             expected += survival
-            rates.append(expected / self.cost(n))
+            rates.append(expected / self.cost(n, spent))
         return rates
 
     def best_length(self, estimates: list[float]) -> int:
@@ -170,13 +172,14 @@ class Planner:
         rates = self.rates(estimates)
         return max(range(len(rates)), key=lambda n: (rates[n], -n))
 
-    def keep_going(self, estimates: list[float], limit: int) -> bool:
-        """Whether draft j = len(estimates) is worth verifying, with drafts j+1..limit forecast at c_j."""
+    def keep_going(self, estimates: list[float], limit: int, spent: int = 0) -> bool:
+        """Whether draft j = len(estimates) is worth verifying, with drafts j+1..limit forecast at c_j and `spent`
+        drafts already paid for."""
         if not self.trims:
             return True
         j = len(estimates)
         forecast = estimates + [estimates[-1]] * (limit - j)
-        rates = self.rates(forecast)
+        rates = self.rates(forecast, spent)
         return max(rates[j:]) > rates[j - 1]
 
 

@@ -44,6 +44,7 @@ def test_a_chain_keeps_drafting_while_some_longer_prefix_pays():
     p = planner([10, 11, 12, 13, 14, 15], per_pass=False, draft_ms=2.0)
     assert p.keep_going([0.95], 5) and p.keep_going([0.95, 0.9], 5)
     assert not p.keep_going([0.95, 0.05], 5)  # draft 2 is unlikely to survive: verify one
+    assert not p.keep_going([0.95, 0.3], 5) and p.keep_going([0.95, 0.3], 5, spent=2)  # once drafted, verifying it pays
     p.trims = False
     assert p.keep_going([0.95, 0.05], 5) and p.best_length([0.1] * 4) == 4  # a calibration pass verifies all
 
