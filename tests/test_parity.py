@@ -73,7 +73,7 @@ def test_cli(run_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
     ok = subprocess.run([sys.executable, "-m", "benchmarks.parity", f"drafter={run_dir / 'export'}"], cwd=tmp_path,
                         env=env, capture_output=True, text=True, timeout=600)
-    assert ok.returncode == 0 and ok.stdout.startswith("parity: served tau"), ok.stderr[-2000:]
+    assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("parity: served tau"), ok.stderr[-2000:]
     missing = subprocess.run([sys.executable, "-m", "benchmarks.parity", f"drafter={run_dir / 'export'}",
                               f"reference={tmp_path / 'none.json'}"], cwd=tmp_path, env=env, capture_output=True,
                              text=True, timeout=600)
