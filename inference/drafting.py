@@ -471,14 +471,13 @@ class MedusaChainProposer:
             raise UserError(f"k={k} is not valid: a Medusa drafter with "
                             f"{drafter.depth} heads drafts at most {drafter.depth}")
         self.drafter, self.k = drafter, k
+        self.planner = None  # an inference.planning.Planner (drafting.plan)
 
     def prefill(self, prompt: list[int], token: int, target_out: TargetOutput) -> None:
         self.accept([token], target_out)
 
     def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
         self.logits = self.drafter.head_logits(target_out.last_hidden[:, -1])[0, : self.k]  # [k, V]
-
-    planner = None
 
     def propose(self, temperature: float, generator: torch.Generator) -> Draft:
         top = torch.softmax(self.logits, -1).amax(-1)

@@ -134,7 +134,7 @@ class Planner:
     costs: StepCosts
     per_pass: bool
     temperatures: list[float] | None = None  # per draft position, applied to the estimate's logit
-    draft_ms: list[float] = field(default_factory=list)  # recent drafter times, per pass or per draft
+    draft_ms: list[float] = field(default_factory=list)  # the last 16 drafter times, per pass or per draft
     trims: bool = True  # False: estimates are recorded, every draft up to K is verified (calibration passes)
 
     def calibrated(self, position: int, logit: float) -> float:
@@ -143,12 +143,12 @@ class Planner:
         return 1 / (1 + math.exp(-max(min(logit / t, 50.0), -50.0)))
 
     def drafter_ms(self) -> float:
-        return statistics.median(self.draft_ms[-16:]) if self.draft_ms else 0.0
+        return statistics.median(self.draft_ms) if self.draft_ms else 0.0
 
     def record_draft(self, seconds: float, drafts: int) -> None:
         """What the drafter spent on a cycle's `drafts` drafts (per_pass: on its one pass)."""
         if self.per_pass or drafts:
-            self.draft_ms.append(1000 * seconds / (1 if self.per_pass else drafts))
+            self.draft_ms = self.draft_ms[-15:] + [1000 * seconds / (1 if self.per_pass else drafts)]
 
     def cost(self, n: int, spent: int = 0) -> float:
         """A cycle verifying n drafts, of which the drafter has already drafted `spent` (a chain's steps are paid
