@@ -13,16 +13,18 @@ into `out`.
   the target computes the hidden states every step (data.hidden_states=online).
 - ours_cached: the same, reading the hidden states from our cache of the same rows (`python -m train.hidden_cache`,
   built once per N like the peer's): the trainers doing the same work a step.
-- peer_matched / peer_defaults: the harness at `harness` (shared/peers/speculators/train_speculators.sh,
-  run as it is, never copied) with the same N and steps; peer_defaults adds `peer_defaults_extra` (speculators'
+- peer_matched / peer_defaults: vLLM's speculators 0.9.0 through our runner (benchmarks/peers/speculators_peer.py,
+  its venv made on demand) with the same N and steps; peer_defaults adds `peer_defaults_extra` (speculators'
   own EAGLE-3 defaults: EAGLE-3.1 norms, muon) and `peer_defaults_env` (its own TTT depth and step decay).
+- modelopt: NVIDIA ModelOpt 0.47's EAGLE-3 through benchmarks/peers/modelopt_peer.py (online: the target inside
+  every step), the same rows, steps and recipe where ModelOpt lets it be set.
 
 Every training runs at niceness `nice`, OMP_NUM_THREADS=threads, under /usr/bin/time -v (peak RSS, CPU seconds).
 Speeds are medians over 10-step windows of the training's CPU seconds (sampled from /proc against the step its
 log reports), so neither a pause (SIGSTOP by a benchmark beside) nor others' jobs on the core count; the
 trainers' own wall seconds a step are reported beside. threads > 1 is a throughput measurement: it waits for
 `quiet_lock` to be free and holds it while training. Every heavy step waits while `quiet_lock` exists.
-The peer's rows and hidden states are made once per N by the harness's own scripts (peer_prepare), timed apart.
+The peer's rows and hidden states are made once per N by the runner (peer_prepare), timed apart.
 """
 
 import json
@@ -38,9 +40,10 @@ from pathlib import Path
 
 from common.config import PROJECT_ROOT, UserError, at_least, require, run_command
 
-ARMS = ("ours", "ours_cached", "peer_matched", "peer_defaults")
+ARMS = ("ours", "ours_cached", "peer_matched", "peer_defaults", "modelopt")
 OUR_ARMS = ("ours", "ours_cached")
-PEER_ARMS = ("peer_matched", "peer_defaults")
+PEER_ARMS = ("peer_matched", "peer_defaults")  # vLLM's speculators
+MODELOPT_ARMS = ("modelopt",)
 
 
 @dataclass
@@ -53,16 +56,16 @@ class PeerBenchConfig:
     seed: int = 0
     threads: int = 1  # OMP/torch threads of every training and of serving
     trained_threads: int | None = None  # train=false: serve the arms trained at this many threads (None: threads)
-    harness: str = "../shared/peers/speculators/train_speculators.sh"  # relative to the project root
-    peer_dir: str = "/tmp/peer-speculators"  # the harness's PEER_DIR: its venv, the target as HF folder, work folders
-    # speculators' own EAGLE-3 defaults (speculators/train/config/schema.py) that the harness sets to our recipe:
+    peer_dir: str | None = None  # where the peers' work-N folders (rows, hidden states) go; None: beside each runner's venv
+    install: bool = True  # make a peer's venv on first use (false: one line on how instead)
+    # speculators' own EAGLE-3 defaults (speculators/train/config/schema.py) that the runner sets to our recipe:
     peer_defaults_extra: str = ("--norm-before-fc --norm-output --norm-before-residual --optimizer muon --weight-decay 0.01 "
                                 "--ttt-step-loss-decay 1.0 --scheduler-type linear")
     peer_defaults_env: dict[str, str] = field(default_factory=lambda: {"TTT": "3", "ADAMW_BETAS": "0.9,0.999"})
     ours_overrides: list[str] = field(default_factory=list)  # more `train.py` overrides for ours (the recipe's keys)
     peer_extra: str = ""  # more `speculators train` flags for both peer arms, e.g. --hidden-states-dtype float32
     depth_key: str = "drafter.depth"  # our recipe's key for the training depth K (formerly drafter.num_speculative_tokens)
-    depth: int = 5  # K trained by every arm (the harness's TTT)
+    depth: int = 5  # K trained by every arm (the runner's TTT)
     runs: str = "runs/peer_speculators"  # trained arms: <runs>/<arm>/n<N>_s<steps>_seed<seed>[_t<threads>]
     out: str = "results/smollm2/peer_speculators"
     hidden_cache: bool = True  # also build our hidden-state cache of the same rows once: its tokens/s and bytes
@@ -93,17 +96,20 @@ def root_path(path: str) -> Path:
     return (p if p.is_absolute() else PROJECT_ROOT / p).resolve()
 
 
-def harness_path(cfg: PeerBenchConfig) -> Path:
-    path = root_path(cfg.harness)
-    if not path.is_file():
-        raise UserError(f"no peer harness at {path}: set harness=<path of train_speculators.sh>")
-    return path
+def peer_work(cfg: PeerBenchConfig) -> Path:
+    """The speculators peer's rows and hidden states of the first N conversations (made once per N)."""
+    from benchmarks.peers import speculators_peer
+
+    return (Path(cfg.peer_dir) / f"work-{cfg.n}") if cfg.peer_dir else speculators_peer.work_dir(cfg.n)
 
 
-def check_peer_venv(cfg: PeerBenchConfig) -> None:
-    python = Path(cfg.peer_dir) / "venv" / "bin" / "python"
-    if not os.access(python, os.X_OK):
-        raise UserError(f"no peer venv at {python.parent.parent}: `bash {harness_path(cfg)} 0 0 -` prints how to make it")
+def check_peer_venv(cfg: PeerBenchConfig, arms: list[str]) -> None:
+    """Each peer venv the arms need: made now (install=true), else one line on how."""
+    from benchmarks.peers import modelopt_peer, speculators_peer
+
+    for module, kind in ((speculators_peer, PEER_ARMS), (modelopt_peer, MODELOPT_ARMS)):
+        if any(a in kind for a in arms):
+            module.VENV.ensure(cfg.install)
 
 
 def training_threads(cfg: PeerBenchConfig) -> int:
@@ -144,19 +150,24 @@ def cache_command(cfg: PeerBenchConfig, cache_dir: Path) -> list[str]:
 
 
 def peer_command(cfg: PeerBenchConfig, arm: str, steps: int, folder: Path) -> tuple[list[str], dict[str, str]]:
-    """The harness with its WORK in `folder`/work (it wipes WORK/ckpt: runs side by side need one each), whose
-    data/ links to the rows and hidden states made once per N (the harness reuses what it finds there)."""
-    env = {"PEER_DIR": cfg.peer_dir, "SEED": str(cfg.seed), "TTT": str(cfg.depth), "EXTRA": cfg.peer_extra}
+    """The runner with its WORK in `folder`/work (it wipes WORK/ckpt: runs side by side need one each), whose
+    data/ links to the rows and hidden states made once per N (the runner reuses what it finds there); the
+    modelopt arm's runner makes its own rows in its WORK (its target runs inside every step)."""
+    if arm in MODELOPT_ARMS:
+        return [sys.executable, "-m", "benchmarks.peers.modelopt_peer", str(cfg.n), str(steps), str(folder / "export"),
+                str(folder / "work")], {"SEED": str(cfg.seed), "TTT": str(cfg.depth)}
+    env = {"SEED": str(cfg.seed), "TTT": str(cfg.depth), "EXTRA": cfg.peer_extra}
     if arm == "peer_defaults":
         env |= {"EXTRA": f"{cfg.peer_defaults_extra} {cfg.peer_extra}".strip()} | dict(cfg.peer_defaults_env)
-    return ["bash", str(harness_path(cfg)), str(cfg.n), str(steps), str(folder / "export"), str(folder / "work")], env
+    return [sys.executable, "-m", "benchmarks.peers.speculators_peer", str(cfg.n), str(steps), str(folder / "export"),
+            str(folder / "work")], env
 
 
 def link_peer_data(cfg: PeerBenchConfig, folder: Path) -> None:
     data = folder / "work" / "data"
     if not data.exists():
         data.parent.mkdir(parents=True, exist_ok=True)
-        data.symlink_to(Path(cfg.peer_dir) / f"work-{cfg.n}" / "data")
+        data.symlink_to(peer_work(cfg) / "data")
 
 
 def shell_line(args: list[str], env: dict[str, str]) -> str:
@@ -283,31 +294,25 @@ def train_arm(cfg: PeerBenchConfig, arm: str, steps: int) -> Path:
         cache_dir = build_cache(cfg) / "cache" if arm == "ours_cached" else None
         run_logged(cfg, ours_command(cfg, steps, folder, cache_dir), {}, folder, "train", STEP_LINES["ours"])
     else:
-        check_peer_venv(cfg)
+        check_peer_venv(cfg, [arm])
         args, env = peer_command(cfg, arm, steps, folder)
-        link_peer_data(cfg, folder)
+        if arm in PEER_ARMS:
+            link_peer_data(cfg, folder)
         run_logged(cfg, args, env, folder, "train", STEP_LINES["peer"])
     return folder
 
 
 def peer_prepare(cfg: PeerBenchConfig) -> Path:
-    """The peer's offline stages on their own, with the harness's own scripts and arguments (beside it in
-    `harness`'s folder: convert_gguf.py, prep_data.py, gen_hidden.py), each timed: the harness then finds its rows
-    and hidden states in PEER_DIR/work-N and reuses them, so a training's log holds training only."""
+    """The speculators peer's offline stages on their own (the runner with STEPS=0: rows, then hidden states),
+    timed: each training then finds them in its WORK/data and reuses them, so its log holds training only.
+    The CPU seconds of this stage include the rows' (a few seconds against the hidden states' minutes)."""
     folder = root_path(cfg.runs) / "peer_hidden" / f"n{cfg.n}"
     if (folder / "hidden.done").is_file():
         return folder
-    check_peer_venv(cfg)
-    here, peer_dir = harness_path(cfg).parent, Path(cfg.peer_dir)
-    python, target, data = str(peer_dir / "venv" / "bin" / "python"), peer_dir / "smollm2-hf", peer_dir / f"work-{cfg.n}" / "data"
-    env = {"PEER_DIR": cfg.peer_dir, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    print(f"the peer's rows and hidden states of the first {cfg.n} conversations -> {data}", flush=True)
-    if not (target / "model.safetensors").is_file():
-        run_logged(cfg, [python, str(here / "convert_gguf.py"), str(target)], env, folder, "convert")
-    run_logged(cfg, [python, str(here / "prep_data.py"), "--n", str(cfg.n), "--target", str(target), "--seq-len", "512",
-                     "--out", str(data)], env, folder, "rows")
-    run_logged(cfg, [python, str(here / "gen_hidden.py"), "--data", str(data), "--target", str(target),
-                     "--layers", "2", "15", "27"], env, folder, "hidden")
+    check_peer_venv(cfg, list(PEER_ARMS))
+    print(f"the peer's rows and hidden states of the first {cfg.n} conversations -> {peer_work(cfg) / 'data'}", flush=True)
+    run_logged(cfg, [sys.executable, "-m", "benchmarks.peers.speculators_peer", str(cfg.n), "0", "-", str(peer_work(cfg))],
+               {}, folder, "hidden")
     (folder / "hidden.done").write_text("")
     return folder
 
@@ -438,7 +443,8 @@ def peer_record(folder: Path) -> dict:
     secs = re.findall(r"== seconds: rows (\d+), hidden states (\d+), training (\d+)", log)
     if secs:
         rec["stage_seconds"] = dict(zip(("rows", "hidden_states", "training"), map(int, secs[-1])))
-    rec["hidden_states"] = "offline (computed once per N, bf16 files)"
+    rec["hidden_states"] = ("online (the target runs every step)" if folder.parent.name in MODELOPT_ARMS
+                            else "offline (computed once per N, bf16 files)")
     return rec | cpu_figures(folder) | time_report(folder / "train.time")
 
 
@@ -450,7 +456,7 @@ def safetensors_tokens(path: Path) -> int:
 
 
 def peer_disk(cfg: PeerBenchConfig) -> dict:
-    folder = Path(cfg.peer_dir) / f"work-{cfg.n}" / "data" / "hidden_states"
+    folder = peer_work(cfg) / "data" / "hidden_states"
     files = sorted(folder.glob("hs_*.safetensors"))
     if not files:
         return {}
@@ -460,7 +466,7 @@ def peer_disk(cfg: PeerBenchConfig) -> dict:
 
 
 def peer_split(cfg: PeerBenchConfig) -> dict | None:
-    path = Path(cfg.peer_dir) / f"work-{cfg.n}" / "data" / "split.json"
+    path = peer_work(cfg) / "data" / "split.json"
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -687,9 +693,8 @@ def served_results(cfg: PeerBenchConfig, folders: dict[str, Path], out: Path) ->
 
 
 def bench(cfg: PeerBenchConfig) -> Path:
-    if cfg.train and any(a in PEER_ARMS for a in cfg.arms):
-        harness_path(cfg)
-        check_peer_venv(cfg)  # one line, before anything trains
+    if cfg.train:
+        check_peer_venv(cfg, cfg.arms)  # made (or one line), before anything trains
     register_pid(cfg)
     out = root_path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -745,7 +750,7 @@ def speed_ratios(rows: list[dict], key: str, budgets: list[int]) -> dict:
     jobs; per wall second the one with nothing beside (at 2 threads, what a user waits for)."""
     speed = {(r["arm"], r["steps"]): r.get(key) for r in rows}
     return {f"{ours}/{peer}@{steps}": speed[ours, steps] / speed[peer, steps]
-            for ours in OUR_ARMS for peer in PEER_ARMS for steps in sorted(budgets)
+            for ours in OUR_ARMS for peer in PEER_ARMS + MODELOPT_ARMS for steps in sorted(budgets)
             if speed.get((ours, steps)) and speed.get((peer, steps))}
 
 

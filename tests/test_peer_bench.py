@@ -1,5 +1,5 @@
 """benchmarks/peer.py without the peer installed: commands, log reading, the table and plot from synthetic
-results, and the one-line errors when the harness or its venv is missing."""
+results, and the one-line error when a peer's venv is missing (install=false)."""
 
 import json
 import os
@@ -16,40 +16,34 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def cfg(tmp_path, **kw) -> peer.PeerBenchConfig:
-    harness = tmp_path / "train_speculators.sh"
-    harness.write_text("#!/bin/bash\n")
-    return peer.PeerBenchConfig(harness=str(harness), peer_dir=str(tmp_path / "peer"), runs=str(tmp_path / "runs"),
+    return peer.PeerBenchConfig(peer_dir=str(tmp_path / "peer"), runs=str(tmp_path / "runs"),
                                 out=str(tmp_path / "out"), quiet_lock=str(tmp_path / "quiet.lock"),
                                 pids_file=str(tmp_path / "pids"), **kw)
 
 
-def run_cli(*args, cwd=REPO):
-    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+def run_cli(*args, cwd=REPO, **extra_env):
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", **extra_env}
     env.pop("SPECULATORS_TRACEBACK", None)
     return subprocess.run([sys.executable, "-m", "benchmarks.peer", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
-def test_missing_harness_is_one_line(tmp_path):
-    result = run_cli(f"harness={tmp_path}/absent.sh", f"runs={tmp_path}/runs", f"out={tmp_path}/out")
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: no peer harness at"), result.stderr
-
-
 def test_missing_peer_venv_is_one_line(tmp_path):
-    harness = tmp_path / "h.sh"
-    harness.write_text("#!/bin/bash\n")
-    result = run_cli(f"harness={harness}", f"peer_dir={tmp_path}/nopeer", f"runs={tmp_path}/runs", f"out={tmp_path}/out")
+    """install=false and no venv: one line naming the venv and the commands that make it, before any training."""
+    result = run_cli("install=false", "arms=[peer_matched]", f"runs={tmp_path}/runs", f"out={tmp_path}/out",
+                     SPECULATORS_CACHE=str(tmp_path / "cache"))
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and len(lines) == 1, result.stderr
-    assert f"no peer venv at {tmp_path}/nopeer/venv" in lines[0] and str(harness) in lines[0]
+    assert f"no speculators-0.9.0 venv at {tmp_path}/cache/peers/speculators-0.9.0/venv" in lines[0]
+    assert "pip install --quiet --no-deps speculators==0.9.0" in lines[0] and "install=true" in lines[0]
+    assert not (tmp_path / "runs").exists()
 
 
-def test_ours_only_needs_no_peer(tmp_path):
-    c = cfg(tmp_path, arms=["ours"])
-    c.harness = str(tmp_path / "absent.sh")
-    peer.PeerBenchConfig.__post_init__(c)  # valid; bench() would not look for the harness
+def test_ours_only_needs_no_peer(tmp_path, monkeypatch):
+    from benchmarks.peers import Venv
+
+    monkeypatch.setattr(Venv, "ensure", lambda self, install=True: pytest.fail(f"{self.name} looked for"))
+    peer.check_peer_venv(cfg(tmp_path, arms=["ours"]), ["ours", "ours_cached"])
 
 
 def test_bad_arm_is_refused():
@@ -77,12 +71,15 @@ def test_ours_command_trains_from_scratch_with_the_recipe_written_out(tmp_path):
                                                                      120, tmp_path / "x")
 
 
-def test_peer_command_runs_the_harness_in_place(tmp_path):
+def test_peer_command_runs_the_runner(tmp_path):
     c = cfg(tmp_path, seed=3)
     args, env = peer.peer_command(c, "peer_matched", 480, tmp_path / "f")
-    assert args == ["bash", str(Path(c.harness).resolve()), "384", "480", str(tmp_path / "f" / "export"),
+    assert args == [sys.executable, "-m", "benchmarks.peers.speculators_peer", "384", "480", str(tmp_path / "f" / "export"),
                     str(tmp_path / "f" / "work")]
-    assert env == {"PEER_DIR": c.peer_dir, "SEED": "3", "TTT": "5", "EXTRA": ""}
+    assert env == {"SEED": "3", "TTT": "5", "EXTRA": ""}
+    args, env = peer.peer_command(c, "modelopt", 40, tmp_path / "m")
+    assert args[1:] == ["-m", "benchmarks.peers.modelopt_peer", "384", "40", str(tmp_path / "m" / "export"),
+                        str(tmp_path / "m" / "work")] and env == {"SEED": "3", "TTT": "5"}
     c.peer_defaults_env = {"TTT": "3"}
     _, env = peer.peer_command(c, "peer_defaults", 480, tmp_path / "f")
     assert env["EXTRA"] == c.peer_defaults_extra and "--optimizer muon" in env["EXTRA"] and env["TTT"] == "3"
@@ -95,7 +92,7 @@ def test_each_peer_run_has_its_own_work_folder_over_the_shared_rows(tmp_path):
     c = cfg(tmp_path)
     c.peer_dir = str(tmp_path / "peer")
     works = {peer.peer_command(c, arm, 120, peer.run_dir(c, arm, 120))[0][-1] for arm in peer.PEER_ARMS}
-    assert len(works) == 2  # the harness wipes WORK/ckpt: two at once must not share one
+    assert len(works) == 2  # the runner wipes WORK/ckpt: two at once must not share one
     for arm in peer.PEER_ARMS:
         folder = peer.run_dir(c, arm, 120)
         peer.link_peer_data(c, folder)
@@ -141,7 +138,7 @@ def test_ours_step_seconds_from_progress_lines():
     assert sorted(round(w, 1) for w in windows) == [2.0, 2.0, 2.0, 3.0, 3.0, 5.0]  # the pause lands in one window
 
 
-def test_peer_record_reads_the_harness_log(tmp_path):
+def test_peer_record_reads_the_runner_log(tmp_path):
     folder = tmp_path / "peer_matched" / "n384_s120_seed0"
     folder.mkdir(parents=True)
     (folder / "train.log").write_text(
