@@ -128,7 +128,7 @@ def served_logits(target: FrozenTarget, ids: torch.Tensor, width: int = VERIFY_W
 
 
 def samples(target: FrozenTarget, cfg: ChatTargetCardConfig) -> list[dict]:
-    questions = [turns[0] for turns in evalsets.mtbench(evalsets.EvalConfig(name="mtbench"))]
+    questions = [turns[0] for turns in evalsets.EVAL_SETS["mtbench"].conversations(evalsets.EvalConfig(name="mtbench"))]
     picked = questions[:: max(1, len(questions) // cfg.samples)][: cfg.samples]
     answers = []
     for question in picked:

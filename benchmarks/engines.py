@@ -17,7 +17,7 @@ its server's prompt + generation timings; vLLM: each generate call's wall time).
 
 Engines:
 - llamacpp: llama.cpp's own llama-server, built from the llama-cpp-python sdist (engines/llamacpp.py), on the
-  target's GGUF file; the drafter exported to GGUF (speculators/export_gguf.py) and served with
+  target's GGUF file; the drafter exported to GGUF (speculators/formats/gguf.py) and served with
   `-md draft.gguf --spec-type draft-eagle3 --spec-draft-n-max K`. The server takes token ids and returns them,
   and its --metrics counters are vLLM's (spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens).
   Two servers, target-only and speculative, run side by side, requests interleaved prompt by prompt. Ours
@@ -53,7 +53,7 @@ from omegaconf import DictConfig
 
 from benchmarks.tables import write_result
 from common.config import UserError, at_least, exit_on_user_error, one_of, require, run_cli, to_dataclass
-from engines import llamacpp, vllm_venv
+from engines import ENGINES, llamacpp, serving_engine, vllm_venv
 from inference import evalsets
 from inference.drafting import serving_k
 from inference.evalsets import EvalConfig, Prompt
@@ -61,8 +61,6 @@ from kernels.provenance import git_revision, machine
 from speculators import export, gguf_file
 from speculators.quant import QuantConfig
 
-ENGINES = ("llamacpp", "vllm")
-NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM (CPU)"}
 QUANT_NAMES = {"none": "fp32", "gguf": "GGUF 4-bit"}  # how ours served the target beside each engine
 VLLM_DTYPES = ("float32", "bfloat16", "float16")
 VLLM_MAX_MODEL_LEN = 2048
@@ -90,8 +88,8 @@ class EnginesConfig:
 
     def __post_init__(self):
         require(bool(self.engines), "engines", self.engines, f"a non-empty list of {', '.join(ENGINES)}")
-        for engine in self.engines:
-            one_of("engines", engine, ENGINES)
+        for name in self.engines:
+            serving_engine(name)
         require(len(set(self.engines)) == len(self.engines), "engines", self.engines, "without repeats")
         require(self.k is None or self.k >= 1, "k", self.k, ">= 1, or null for the drafter's own")
         at_least(1, max_new_tokens=self.max_new_tokens, threads=self.threads, timeout=self.timeout)
@@ -346,7 +344,7 @@ def table(result: dict) -> str:
     failures = []
     for name, engine in result["engines"].items():
         spec, plain, ours, match = engine["speculative"], engine["target_only"], engine["ours"], engine["comparison"]
-        label = f"{NAMES[name]} ({engine['version']})" if engine.get("version") else NAMES[name]
+        label = f"{ENGINES[name].label} ({engine['version']})" if engine.get("version") else ENGINES[name].label
         spec_tau = figure(spec.get("tau"), 3) if spec["error"] is None else "failed"
         lines.append(f"| {label} | {spec_tau} | {figure(ours['tau'], 3)} ({QUANT_NAMES.get(ours['quant'], ours['quant'])}) | "
                      f"{figure(spec['tokens_per_second'], 1)} | {figure(plain['tokens_per_second'], 1)} | "
@@ -354,10 +352,10 @@ def table(result: dict) -> str:
                      f"{agreement(match['speculative_vs_ours'])} | {agreement(match['speculative_vs_own_target_only'])} |")
         for run_name, run in (("speculative", spec), ("target-only", plain)):
             if run["error"]:
-                failures.append(f"- {NAMES[name]} {run_name} failed: {run['error']}")
+                failures.append(f"- {ENGINES[name].label} {run_name} failed: {run['error']}")
         target_only = match["target_only_vs_ours_target_only"]
         if target_only is not None:
-            failures.append(f"- {NAMES[name]} target-only = ours target-only: {agreement(target_only)}")
+            failures.append(f"- {ENGINES[name].label} target-only = ours target-only: {agreement(target_only)}")
     return "\n".join(lines + ([""] + failures if failures else []) +
                      (["", f"Beside: {result['note']}"] if result.get("note") else []))
 
@@ -378,7 +376,8 @@ def measure(cfg: EnginesConfig, out: Path, python: Path | None) -> dict:
     load_at_start = os.getloadavg()  # 1, 5 and 15 minutes: what else ran on the machine
     record = export.training_record(Path(cfg.drafter)) or {}
     # Ours beside llama.cpp: the GGUF's own packed weights, as the drafter was trained; beside vLLM: the fp32 target.
-    quants = {"llamacpp": QuantConfig(**record.get("quant", {})), "vllm": QuantConfig()}
+    quants = {name: QuantConfig(**record.get("quant", {})) if serving_engine(name).trained_quant else QuantConfig()
+              for name in cfg.engines}
     pairs: dict[str, tuple] = {}
 
     def pair(quant: QuantConfig):
@@ -396,12 +395,12 @@ def measure(cfg: EnginesConfig, out: Path, python: Path | None) -> dict:
         if quants[name].scheme not in ours:
             print(f"ours on the {quants[name].scheme} target ...", file=sys.stderr)
             ours[quants[name].scheme] = ours_beside(target, drafter, prompts, k, quants[name], cfg)
-        print(f"{NAMES[name]} ...", file=sys.stderr)
-        engine = (run_llamacpp(target, drafter, prompts, k, cfg, out) if name == "llamacpp"
+        print(f"{serving_engine(name).label} ...", file=sys.stderr)
+        served = (run_llamacpp(target, drafter, prompts, k, cfg, out) if name == "llamacpp"
                   else run_vllm(target, prompts, k, cfg, out, python))
-        engine["ours"] = ours[quants[name].scheme]
-        engine["comparison"] = comparisons(engine)
-        engines[name] = engine
+        served["ours"] = ours[quants[name].scheme]
+        served["comparison"] = comparisons(served)
+        engines[name] = served
     return {"command": command_line(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "drafter": cfg.drafter, "target": target.name_or_path, "k": k, "eval": cfg.eval.name,
             "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "threads": cfg.threads,

@@ -9,7 +9,7 @@ On the same prompts, greedy, one thread, interleaved prompt by prompt (benchmark
   logits depend on how many tokens a pass holds, so where this output differs from the baseline's, no
   speculation (whose verification passes hold K + 1 tokens) can be expected to reproduce it exactly;
 - llamacpp_ngram: llama.cpp's n-gram speculation (llama-speculative-simple --spec-type ngram-simple);
-- llamacpp_eagle3_chain: the drafter exported as GGUF (speculators/export_gguf.py), --spec-type draft-eagle3;
+- llamacpp_eagle3_chain: the drafter exported as GGUF (speculators/formats/gguf.py), --spec-type draft-eagle3;
 - ours_target_only, ours_eagle3_chain: our engine (inference/engine.py) on the same target file.
 llama.cpp's figures are its decode speed (after the prompt pass), ours wall time with the prompt.
 Outputs are compared with llama.cpp's plain continuation over their common length (speculative-simple

@@ -10,7 +10,7 @@ GGML_NATIVE=OFF with AVX2, FMA and F16C runs everywhere here.
 bulk generation (train/regenerate.py's engine=llamacpp).
 
 `speculative_simple` runs llama-speculative-simple (examples/speculative-simple in the source) once
-and returns its counters: a drafter exported as GGUF (speculators/export_gguf.py) served by llama.cpp.
+and returns its counters: a drafter exported as GGUF (speculators/formats/gguf.py) served by llama.cpp.
 `completion` runs llama-completion the same way without a drafter: llama.cpp's target-only speed (with
 special tokens printed, as llama-speculative-simple prints them).
 """
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import UserError
+from engines import Engine, register_engine
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist: vendor/llama.cpp is the source built
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
@@ -200,7 +201,7 @@ def speculative_simple(target: Path, draft: Path | None, prompt: str, n_predict:
                        spec_type: str = "draft-eagle3", threads: int = 1, context: int = 2048,
                        timeout: float = 600) -> SpeculativeRun:
     """Greedy speculative generation of `n_predict` tokens after `prompt` with llama.cpp: target GGUF `-m`,
-    draft GGUF `-md` (draft-eagle3 for speculators/export_gguf.py's files; None for ngram-simple)."""
+    draft GGUF `-md` (draft-eagle3 for speculators/formats/gguf.py's files; None for ngram-simple)."""
     command = [str(build() / "llama-speculative-simple"), "-m", str(target), *(["-md", str(draft)] if draft else []),
                "--spec-type", spec_type, "--spec-draft-n-max", str(draft_max), "-p", prompt, "-n", str(n_predict),
                "-c", str(context), "-t", str(threads), "-td", str(threads), "--temp", "0", "--seed", "0"]
@@ -258,3 +259,6 @@ def completion(target: Path, prompt: str, n_predict: int = 32, threads: int = 1,
         raise UserError("llama-completion's log has no 'eval time = ... runs'; its output format changed?")
     ms, runs = float(found.group(1)), int(found.group(2))
     return CompletionRun(n_predict=runs, decode_tokens_per_s=1000 * runs / ms, text=done.stdout.strip())
+
+
+register_engine(Engine("llamacpp", "llama.cpp", trained_quant=True))

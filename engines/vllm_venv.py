@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from common.config import UserError, require
-from engines import llamacpp
+from engines import Engine, llamacpp, register_engine
 
 RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
 PYTHON_ENV = "VLLM_CPU_PYTHON"
@@ -106,3 +106,6 @@ def start_workers(python: Path, mode: str, engine: dict, threads: int, workers: 
             worker.close()
         raise
     return started
+
+
+register_engine(Engine("vllm", "vLLM (CPU)"))

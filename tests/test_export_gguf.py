@@ -1,4 +1,4 @@
-"""The llama.cpp export (speculators/export_gguf.py): a tiny EAGLE-3 drafter written as GGUF and read
+"""The llama.cpp export (speculators/formats/gguf.py): a tiny EAGLE-3 drafter written as GGUF and read
 back with gguf-py's GGUFReader, checked against what llama.cpp's eagle3 loader reads (its
 src/models/eagle3.cpp and src/llama-model.cpp, written out here apart from the exporter): metadata keys,
 values and types, tensor names, shapes in ggml order and types, d2t as absolute target ids, the values
@@ -20,8 +20,9 @@ from benchmarks import llamacpp_bench
 from common.config import UserError
 from engines import llamacpp
 from inference import evalsets
-from speculators import export, export_gguf
+from speculators import export
 from speculators.export import Verifier
+from speculators.formats import gguf as export_gguf
 from speculators.layers import apply_rotary, rotary
 from speculators.target import FrozenTarget, TargetConfig
 

@@ -21,8 +21,9 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig
 
 from common.config import UserError
-from speculators import export, export_trtllm
+from speculators import export
 from speculators.export import Verifier
+from speculators.formats import trtllm as export_trtllm
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "smollm2-eagle3"
 SHIPPED_TARGET_LAYERS = 30  # SmolLM2-135M; the drafter reads our layers [2, 15, 27] = [2, L//2, L-3]

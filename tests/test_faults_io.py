@@ -21,8 +21,9 @@ import torch
 from safetensors import safe_open
 
 from common.config import UserError
-from speculators import export, export_gguf
+from speculators import export
 from speculators.export import Verifier
+from speculators.formats import gguf as export_gguf
 
 ROOT = Path(__file__).parent.parent
 

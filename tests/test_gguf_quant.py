@@ -50,7 +50,7 @@ from kernels.quant_matmul import (
 )
 from speculators.layers import DecodingLinear
 from speculators.quant import (
-    Int4Handler,
+    Int4Scheme,
     QuantConfig,
     QuantizedEmbedding,
     WeightOnlyInt4Linear,
@@ -422,7 +422,7 @@ def test_activations_are_exact_unless_int8_is_asked_for(targets):
     with pytest.raises(UserError, match=r"^quant.activations='int8' is not valid: must be exact with quant.scheme=w8a8"):
         QuantConfig(scheme="w8a8", activations="int8")
     with pytest.raises(UserError, match=r"^quant.activations=int8 rounds x in blocks of 32 columns: the input width 48 of l"):
-        Int4Handler(QuantConfig(scheme="int4", group_size=16, activations="int8")).check("l", 48)
+        Int4Scheme(QuantConfig(scheme="int4", group_size=16, activations="int8")).check("l", 48)
 
 
 # --- 5. bad input ------------------------------------------------------------------------------

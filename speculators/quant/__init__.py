@@ -1,29 +1,16 @@
-"""Quantization of the frozen target, applied once at load (gpt-fast's pattern); its formats' arithmetic in
-gptq.py (GPTQ levels), fp4.py (MXFP4/NVFP4) and gguf.py (a GGUF file's own blocks) beside this file, the
-replacement layers in modules.py, fused MoE experts in experts.py, the precision breakdown in precision.py.
+"""Quantization of the frozen target, applied once at load (gpt-fast's pattern): one file per scheme beside
+this one, each a handler (speculators/quant/scheme.py, the registry) with its arithmetic in its docstring:
+int8.py, int4.py, gptq.py (gptq_int4), fp8.py, w8a8.py, fp4.py (mxfp4, nvfp4), gguf.py (a GGUF file's own
+blocks); the shared replacement layers in modules.py, fused MoE experts in experts.py, the precision breakdown
+in precision.py. A scheme of your own is one module on the Python path (docs/new_quant_scheme.md).
 
-Each scheme is a handler that checks a layer and builds its replacement module; `quantize`
-swaps the target's nn.Linear modules (exactly that type: subclasses such as Llama-4's router compute something
-else) and, if asked, its embeddings and lm_head, in place. int8 also stores fused MoE expert weights as int8
-(experts.py); the other schemes leave them as loaded, and a load that leaves most of the layers' weights
-unquantized warns in one line with the breakdown (precision.py).
-int8, int4, gptq_int4 and fp8 are weight-only: activations stay in the target's dtype. w8a8 quantizes both:
-- int8: per output channel n, s[n] = max_k |W[n, k]| / 127, q = round(W / s), W ~ q s.
-- int4: per group of `group_size` input columns, s = (max - min) / 15, q = round((W - min) / s)
-  in 0..15, z = min + 8 s, W ~ (q - 8) s + z (PyTorch's int4 convention).
-- gptq_int4: the int4 format, its levels chosen by GPTQ on calibration text (speculators/quant/gptq.py).
-- fp8: per output channel, s[n] = max_k |W[n, k]| / 448 (the largest e4m3 value), q = e4m3(W / s).
-- mxfp4, nvfp4: FP4 E2M1 values with a power-of-two scale per 32 columns (MXFP4) or an e4m3 scale per 16
-  columns times a tensor scale (NVFP4), emulated (speculators/quant/fp4.py): accuracy, not speed.
-- gguf: no rounding here: a GGUF file's own blocks (speculators/quant/gguf.py), Q4_1 as int4 in groups
-  of 32 and Q8_0 as int8 with one scale per 32 columns, dequantizing bit for bit to the weights the
-  target was converted with (speculators/gguf_file.py). Every tensor the file stores quantized is
-  served from its blocks, embeddings and lm_head included (quantize_embeddings and quantize_lm_head do
-  not apply); a tied embedding and lm_head share one module.
-- w8a8: int8 weights as above, and each row (token) of x rounded at run time to 129 levels:
-  a[m] = max_k |x[m, k]|, x ~ p (2/127) a[m] with p = round(x / a[m] / (2/127)) in -64..64, so the
-  integer matmul does the work. About 7 bits, not 8: the x86 operator (fbgemm) multiplies uint8 by
-  int8 in int16 pairs, which 8-bit activations could overflow (PyTorch's `reduce_range`).
+`quantize` swaps the target's nn.Linear modules (exactly that type: subclasses such as Llama-4's router
+compute something else) and, if asked, its embeddings and lm_head, in place. int8 also stores fused MoE expert
+weights as int8 (experts.py); the other schemes leave them as loaded, and a load that leaves most of the
+layers' weights unquantized warns in one line with the breakdown (precision.py). int8, int4, gptq_int4, fp8,
+mxfp4 and nvfp4 are weight-only: activations stay in the target's dtype; w8a8 quantizes both.
+About 7 bits, not 8, for w8a8's activations: the x86 operator (fbgemm) multiplies uint8 by int8 in int16
+pairs, which 8-bit activations could overflow (PyTorch's `reduce_range`).
 
 Forward, one dispatch rule: the Triton kernel (kernels.quant_matmul) where kernels.use_triton
 says so; else on the CPU by `cpu_matmul`:
@@ -61,13 +48,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
-from tqdm import tqdm
 
 from common.config import UserError, one_of, require
-from kernels.quant_matmul import ACT_BLOCK, round_to_nearest_int4
+from kernels.quant_matmul import round_to_nearest_int4
 from speculators.layers import DecodingLinear
 from speculators.quant import fp4, gguf, gptq
-from speculators.quant.experts import EXPERT_SCHEMES, quantize_experts
+from speculators.quant.experts import quantize_experts
+from speculators.quant.fp4 import Fp4Linear
+from speculators.quant.int4 import Int4Scheme
 from speculators.quant.modules import (
     ACT_LEVELS,
     FBGEMM,
@@ -76,7 +64,6 @@ from speculators.quant.modules import (
     INT4_PACK_OP,
     INT8_OP,
     DynamicInt8Linear,
-    Fp4Linear,
     QuantizedEmbedding,
     QuantizedLinear,
     WeightOnlyFp8Linear,
@@ -86,16 +73,17 @@ from speculators.quant.modules import (
     stack_linears,
 )
 from speculators.quant.precision import describe, precision_breakdown, warn_if_mostly_unquantized
+from speculators.quant.scheme import SCHEMES, Scheme, scheme
 
 __all__ = [  # the layers (speculators/quant/modules.py) and the precision breakdown, importable from here
     "ACT_LEVELS", "ACTIVATIONS", "CPU_MATMULS", "FBGEMM", "INT4_OP", "INT4_OP_GROUPS", "INT4_PACK_OP", "INT8_OP",
-    "QUANT_SCHEMES", "DynamicInt8Linear", "Fp4Linear", "QuantConfig", "QuantizedEmbedding", "QuantizedLinear",
+    "QUANT_SCHEMES", "SCHEMES", "DynamicInt8Linear", "Fp4Linear", "Int4Scheme", "QuantConfig", "Scheme", "QuantizedEmbedding", "QuantizedLinear",
     "WeightOnlyFp8Linear", "WeightOnlyInt4Linear", "WeightOnlyInt8Linear", "check_gguf_source", "describe", "fp4",
     "gguf", "gptq", "layers_to_quantize", "precision_breakdown", "quantize", "round_activations",
-    "round_to_nearest_int4", "stack_linears", "weight_bytes",
+    "round_to_nearest_int4", "scheme", "stack_linears", "weight_bytes",
 ]
 
-QUANT_SCHEMES = ("none", "int8", "int4", "gptq_int4", "fp8", "w8a8", "gguf", "mxfp4", "nvfp4")
+QUANT_SCHEMES = ("none", *SCHEMES)  # the built-in schemes; a scheme of your own is found by name
 CPU_MATMULS = ("kernel", "dequantize", "packed")
 ACTIVATIONS = ("exact", "int8")
 
@@ -111,12 +99,11 @@ class QuantConfig:
     activations: str = "exact"  # int8, int4, gptq_int4, gguf: x as is (exact) or rounded to int8 per 32 columns (int8)
 
     def __post_init__(self):
-        one_of("quant.scheme", self.scheme, QUANT_SCHEMES)
+        served = scheme(self.scheme).activations if self.scheme != "none" else ACTIVATIONS
         one_of("quant.cpu_matmul", self.cpu_matmul, CPU_MATMULS)
         one_of("quant.activations", self.activations, ACTIVATIONS)
-        require(self.activations != "int8" or self.scheme not in ("fp8", "w8a8", "mxfp4", "nvfp4"), "quant.activations",
-                self.activations,
-                f"exact with quant.scheme={self.scheme}")
+        require(self.activations in served, "quant.activations", self.activations,
+                f"{' or '.join(served)} with quant.scheme={self.scheme}")
         require(self.group_size >= 2 and self.group_size % 2 == 0, "quant.group_size", self.group_size,
                 "an even number >= 2 (two int4 values share a byte)")
         require(isinstance(self.calibration_sequences, int) and self.calibration_sequences >= 1,
@@ -130,119 +117,9 @@ class QuantConfig:
         return self.activations == "int8"
 
 
-# --- handlers: one per scheme ------------------------------------------------------------------
-
-
-class Int8Handler:
-    def __init__(self, cfg: QuantConfig):
-        self.cfg = cfg
-
-    def check(self, name: str, width: int) -> None:
-        """Per channel: any width, unless x is rounded in blocks."""
-        if self.cfg.int8_activations and width % ACT_BLOCK:
-            raise UserError(f"quant.activations=int8 rounds x in blocks of {ACT_BLOCK} columns: the input width {width} "
-                            f"of {name} is not a multiple; use quant.activations=exact")
-
-    def prepare(self, model: nn.Module, chosen: list[tuple[str, nn.Module]], tokenizer) -> None:
-        pass  # round to nearest needs nothing but the weights
-
-    def convert(self, name: str, weight, bias, cpu_matmul: str) -> QuantizedLinear:
-        return WeightOnlyInt8Linear(weight, bias, cpu_matmul, int8_activations=self.cfg.int8_activations)
-
-    def convert_table(self, name: str, weight) -> QuantizedLinear:
-        """An embedding table: looked up row by row, never multiplied."""
-        return self.convert(name, weight, None, cpu_matmul="dequantize")
-
-
-class Int4Handler(Int8Handler):
-    def check(self, name, width):
-        super().check(name, width)
-        if width % self.cfg.group_size:
-            raise UserError(f"quant.group_size={self.cfg.group_size} does not divide the input width {width} of "
-                            f"{name}; choose a divisor of it")
-
-    def convert(self, name, weight, bias, cpu_matmul):
-        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_matmul,
-                                    int8_activations=self.cfg.int8_activations)
-
-
-class GptqInt4Handler(Int4Handler):
-    def prepare(self, model, chosen, tokenizer):
-        if tokenizer is None:
-            raise UserError("quant.scheme=gptq_int4 needs the target's tokenizer for its calibration text")
-        ids = gptq.calibration_ids(tokenizer, self.cfg.calibration_sequences)
-        linears = {name: m for name, m in chosen if isinstance(m, nn.Linear)}
-        hessians = gptq.input_hessians(model, linears, ids)
-        self.levels = {name: gptq.gptq_int4(m.weight, hessians.pop(name), self.cfg.group_size)
-                       for name, m in tqdm(linears.items(), desc="GPTQ", unit="layer")}
-
-    def convert_table(self, name, weight):
-        return super().convert(name, weight, None, cpu_matmul="dequantize")  # no inputs to calibrate on: round to nearest
-
-    def convert(self, name, weight, bias, cpu_matmul):
-        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_matmul, self.levels.pop(name),
-                                    self.cfg.int8_activations)
-
-
-class Fp8Handler(Int8Handler):
-    def convert(self, name, weight, bias, cpu_matmul):
-        return WeightOnlyFp8Linear(weight, bias)
-
-
-class Fp4Handler(Int8Handler):
-    def check(self, name, width):
-        fp4.check_width(self.cfg.scheme, name, width)
-
-    def convert(self, name, weight, bias, cpu_matmul):
-        return Fp4Linear(weight, bias, self.cfg.scheme)
-
-
-class W8A8Handler(Int8Handler):
-    def convert(self, name, weight, bias, cpu_matmul):
-        return DynamicInt8Linear(weight, bias)
-
-    def convert_table(self, name, weight):
-        return WeightOnlyInt8Linear(weight, None)  # lookups have no activations to round
-
-
-class GgufHandler(Int8Handler):
-    """The GGUF file's own blocks (speculators/quant/gguf.py), one module per GGUF tensor: a tied
-    embedding table and lm_head share theirs. None for a tensor that stays as loaded."""
-
-    def __init__(self, cfg, path: Path):
-        super().__init__(cfg)
-        self.weights = gguf.GgufWeights(path)
-        self.built = {}
-
-    def check(self, name, width):
-        self.weights.check(name)
-
-    def convert(self, name, weight, bias, cpu_matmul):
-        tensor = self.weights.tensor_name(name)
-        if tensor not in self.built:
-            self.built[tensor] = self.build(name, weight, bias, cpu_matmul)
-        return self.built[tensor]
-
-    def convert_table(self, name, weight):
-        return self.convert(name, weight, None, self.cfg.cpu_matmul)  # the table a tied lm_head multiplies by
-
-    def build(self, name, weight, bias, cpu_matmul) -> QuantizedLinear | None:
-        found = self.weights.levels(name)
-        if found is None:
-            return None
-        kind, levels = found
-        if kind == "Q4_1":
-            return WeightOnlyInt4Linear(weight, bias, gguf.BLOCK, cpu_matmul, levels, self.cfg.int8_activations)
-        return WeightOnlyInt8Linear(weight, bias, cpu_matmul, levels, self.cfg.int8_activations)
-
-
-HANDLERS = {"int8": Int8Handler, "int4": Int4Handler, "gptq_int4": GptqInt4Handler, "fp8": Fp8Handler,
-            "w8a8": W8A8Handler, "mxfp4": Fp4Handler, "nvfp4": Fp4Handler}
-
-
 def check_gguf_source(cfg: QuantConfig, gguf_file: Path | None) -> None:
     """quant=gguf serves the blocks of the GGUF file the target was converted from: it needs that file."""
-    if cfg.scheme == "gguf" and gguf_file is None:
+    if cfg.scheme != "none" and scheme(cfg.scheme).from_file and gguf_file is None:
         raise UserError("quant.scheme=gguf serves a GGUF file's own quantized weights: set target.gguf_file "
                         "(this target is not loaded from one), or choose another quant.scheme")
 
@@ -258,7 +135,7 @@ def quantize(model: nn.Module, cfg: QuantConfig, tokenizer=None, gguf_file: Path
         method = existing.get("quant_method") if isinstance(existing, dict) else getattr(existing, "quant_method", "?")
         raise UserError(f"quant.scheme={cfg.scheme}: the target is already quantized ({method}); "
                         f"load it with quant.scheme=none")
-    handler = GgufHandler(cfg, gguf_file) if cfg.scheme == "gguf" else HANDLERS[cfg.scheme](cfg)
+    handler = scheme(cfg.scheme)(cfg, gguf_file)
     chosen = layers_to_quantize(model, cfg)
     for name, module in chosen:  # every check before any change
         handler.check(name, module.weight.shape[1])
@@ -272,7 +149,7 @@ def quantize(model: nn.Module, cfg: QuantConfig, tokenizer=None, gguf_file: Path
         if new is not None:  # None: gguf keeps a tensor the file stores unquantized as loaded
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, new)
-    if cfg.scheme in EXPERT_SCHEMES:
+    if handler.quantizes_experts:
         quantize_experts(model)
     warn_if_mostly_unquantized(model, cfg.scheme)
     return model
@@ -284,7 +161,7 @@ PLAIN_LINEARS = (nn.Linear, DecodingLinear)
 
 def layers_to_quantize(model: nn.Module, cfg: QuantConfig) -> list[tuple[str, nn.Module]]:
     lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    from_file = cfg.scheme == "gguf"  # the file says which tensors are quantized, embeddings and lm_head too
+    from_file = scheme(cfg.scheme).from_file  # the file says which tensors are quantized, embeddings and lm_head too
     return [(name, m) for name, m in model.named_modules()
             if (type(m) in PLAIN_LINEARS and (m is not lm_head or cfg.quantize_lm_head or from_file))
             or (m is embed and (cfg.quantize_embeddings or from_file))]

@@ -11,8 +11,6 @@ dequantized copy lives only during that forward: memory holds the int8 levels.
 import torch
 from torch import nn
 
-EXPERT_SCHEMES = ("int8",)  # schemes whose expert weights are quantized; others leave them as loaded
-
 
 def fused_expert_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(module, parameter name) of every fused expert weight."""

@@ -1,4 +1,5 @@
-"""4-bit floating-point target weights, emulated on the CPU: MXFP4 (OCP Microscaling) and NVFP4 (NVIDIA).
+"""mxfp4, nvfp4: 4-bit floating-point target weights, emulated on the CPU: MXFP4 (OCP Microscaling) and NVFP4
+(NVIDIA).
 
 Both store a weight as FP4 E2M1 (a sign, 2 exponent bits, 1 mantissa bit: +-{0, 0.5, 1, 1.5, 2, 3, 4, 6})
 times a scale shared by a block of consecutive input columns:
@@ -12,8 +13,11 @@ as nothing here multiplies FP4: these schemes answer accuracy questions (drift, 
 """
 
 import torch
+import torch.nn.functional as F
 
 from common.config import UserError
+from speculators.quant.modules import QuantizedLinear
+from speculators.quant.scheme import Scheme
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0..7; code | 8 is the negative
 BLOCK = {"mxfp4": 32, "nvfp4": 16}
@@ -74,3 +78,42 @@ def check_width(fmt: str, name: str, width: int) -> None:
     if width % BLOCK[fmt]:
         raise UserError(f"quant.scheme={fmt} scales blocks of {BLOCK[fmt]} input columns: the input width {width} of "
                         f"{name} is not a multiple")
+
+
+class Fp4Linear(QuantizedLinear):
+    """mxfp4 / nvfp4 weights, dequantized for every matmul (emulated)."""
+
+    @property
+    def precision(self) -> str:
+        return self.fmt
+
+    def __init__(self, weight, bias, fmt: str):
+        super().__init__(weight, bias)
+        self.fmt = fmt
+        codes, block_scales, tensor_scale = quantize(weight, fmt)
+        self.register_buffer("codes", codes)
+        self.register_buffer("block_scales", block_scales)
+        self.register_buffer("tensor_scale", tensor_scale)
+
+    def matmul(self, x):
+        return F.linear(x, self.weight.to(x.dtype))
+
+    def rows(self, ids):
+        return dequantize(self.codes[ids], self.block_scales[ids], self.tensor_scale, self.fmt)
+
+    def cpu_op(self) -> str:
+        return "dequantize + matmul (emulated)"
+
+
+class MxFp4Scheme(Scheme):
+    name = "mxfp4"
+
+    def check(self, name, width):
+        check_width(self.name, name, width)
+
+    def convert(self, name, weight, bias, cpu_matmul):
+        return Fp4Linear(weight, bias, self.name)
+
+
+class NvFp4Scheme(MxFp4Scheme):
+    name = "nvfp4"

@@ -1,5 +1,7 @@
-"""A GGUF file's own quantized tensors, in the formats of kernels/quant_matmul.py, for quant=gguf
-(speculators/quant/__init__.py): the weights llama.cpp serves, not a re-quantization of their fp32 copy.
+"""gguf: a GGUF file's own quantized tensors, in the formats of kernels/quant_matmul.py: the weights llama.cpp
+serves, not a re-quantization of their fp32 copy. Every tensor the file stores quantized is served from its
+blocks, embeddings and lm_head included (quantize_embeddings and quantize_lm_head do not apply); a tied
+embedding and lm_head share one module.
 
 Per tensor type (byte layouts as in gguf-py's gguf/quants.py):
 - Q4_1: blocks of 32 input columns, each an fp16 scale d, an fp16 min m and 16 bytes of nibbles
@@ -33,6 +35,8 @@ import torch
 
 from common.config import UserError
 from speculators import gguf_file
+from speculators.quant.modules import WeightOnlyInt4Linear, WeightOnlyInt8Linear
+from speculators.quant.scheme import Scheme
 
 PACKED = ("Q4_1", "Q8_0")
 UNQUANTIZED = ("F32", "F16")
@@ -122,3 +126,38 @@ def q4_1(blocks: torch.Tensor):
 def q8_0(blocks: torch.Tensor):
     """(q, s) of Q8_0 blocks [N, K/32, 34]."""
     return blocks[..., 2:].contiguous().view(torch.int8).flatten(1), fp16(blocks, 0)
+
+
+class GgufScheme(Scheme):
+    """The file's own blocks, one module per GGUF tensor: a tied embedding table and lm_head share theirs.
+    None for a tensor that stays as loaded."""
+
+    name = "gguf"
+    activations = ("exact", "int8")
+    from_file = True
+
+    def __init__(self, cfg, gguf_file: Path | None = None):
+        super().__init__(cfg)
+        self.weights = GgufWeights(gguf_file)
+        self.built = {}
+
+    def check(self, name, width):
+        self.weights.check(name)
+
+    def convert(self, name, weight, bias, cpu_matmul):
+        tensor = self.weights.tensor_name(name)
+        if tensor not in self.built:
+            self.built[tensor] = self.build(name, weight, bias, cpu_matmul)
+        return self.built[tensor]
+
+    def convert_table(self, name, weight):
+        return self.convert(name, weight, None, self.cfg.cpu_matmul)  # the table a tied lm_head multiplies by
+
+    def build(self, name, weight, bias, cpu_matmul):
+        found = self.weights.levels(name)
+        if found is None:
+            return None
+        kind, levels = found
+        if kind == "Q4_1":
+            return WeightOnlyInt4Linear(weight, bias, BLOCK, cpu_matmul, levels, self.cfg.int8_activations)
+        return WeightOnlyInt8Linear(weight, bias, cpu_matmul, levels, self.cfg.int8_activations)

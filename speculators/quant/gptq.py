@@ -1,4 +1,4 @@
-"""GPTQ (Frantar et al., 2022): int4 weights chosen to keep each layer's outputs, not its weights, close.
+"""gptq_int4, GPTQ (Frantar et al., 2022): int4 weights chosen to keep each layer's outputs, not its weights, close.
 
 Round-to-nearest (quant=int4) picks every weight's level on its own. GPTQ quantizes a layer's input
 columns one at a time and spreads each column's rounding error over the columns not yet quantized,
@@ -16,9 +16,12 @@ reports decode), cut into `sequences` pieces of CALIBRATION_LENGTH tokens.
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from common import corpus
 from common.config import UserError
+from speculators.quant.int4 import Int4Scheme
+from speculators.quant.modules import WeightOnlyInt4Linear
 
 CALIBRATION_LENGTH = 256
 DAMPENING = 0.01
@@ -90,3 +93,23 @@ def gptq_int4(weight: torch.Tensor, hessian: torch.Tensor, group_size: int):
         W[:, end:] -= errors @ U[start:end, end:]
     device = weight.device
     return q.to(device), scales.to(device), zeros.to(device)
+
+
+class GptqInt4Scheme(Int4Scheme):
+    name = "gptq_int4"
+
+    def prepare(self, model, chosen, tokenizer):
+        if tokenizer is None:
+            raise UserError("quant.scheme=gptq_int4 needs the target's tokenizer for its calibration text")
+        ids = calibration_ids(tokenizer, self.cfg.calibration_sequences)
+        linears = {name: m for name, m in chosen if isinstance(m, nn.Linear)}
+        hessians = input_hessians(model, linears, ids)
+        self.levels = {name: gptq_int4(m.weight, hessians.pop(name), self.cfg.group_size)
+                       for name, m in tqdm(linears.items(), desc="GPTQ", unit="layer")}
+
+    def convert_table(self, name, weight):
+        return super().convert(name, weight, None, cpu_matmul="dequantize")  # no inputs to calibrate on: round to nearest
+
+    def convert(self, name, weight, bias, cpu_matmul):
+        return WeightOnlyInt4Linear(weight, bias, self.cfg.group_size, cpu_matmul, self.levels.pop(name),
+                                    self.cfg.int8_activations)

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-import speculators.quant.fp4 as fp4  # the module itself: the package imports this one
 from kernels.quant_matmul import dequantize, pack_int4, round_activation_blocks, round_to_nearest_int4
 from speculators.layers import DecodingLinear
 
@@ -153,31 +152,6 @@ class WeightOnlyFp8Linear(QuantizedLinear):
 
     def cpu_op(self) -> str:
         return "dequantize + matmul"
-
-
-class Fp4Linear(QuantizedLinear):
-    """mxfp4 / nvfp4 weights (speculators/quant/fp4.py), dequantized for every matmul (emulated)."""
-
-    @property
-    def precision(self) -> str:
-        return self.fmt
-
-    def __init__(self, weight, bias, fmt: str):
-        super().__init__(weight, bias)
-        self.fmt = fmt
-        codes, block_scales, tensor_scale = fp4.quantize(weight, fmt)
-        self.register_buffer("codes", codes)
-        self.register_buffer("block_scales", block_scales)
-        self.register_buffer("tensor_scale", tensor_scale)
-
-    def matmul(self, x):
-        return F.linear(x, self.weight.to(x.dtype))
-
-    def rows(self, ids):
-        return fp4.dequantize(self.codes[ids], self.block_scales[ids], self.tensor_scale, self.fmt)
-
-    def cpu_op(self) -> str:
-        return "dequantize + matmul (emulated)"
 
 
 class DynamicInt8Linear(WeightOnlyInt8Linear):

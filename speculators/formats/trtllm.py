@@ -1,6 +1,6 @@
-"""EAGLE-3 drafters in the layout TensorRT-LLM's PyTorch backend serves, as NVIDIA ModelOpt exports it
-(modelopt/torch/export/plugins/hf_spec_export.py, EagleExporter, with the llama_eagle_template_config of
-hf_spec_configs.py):
+"""The trtllm format (`trtllm-serve TARGET --config OUT/trtllm_serving.yaml`): EAGLE-3 drafters in the layout
+TensorRT-LLM's PyTorch backend serves, as NVIDIA ModelOpt exports it (modelopt/torch/export/plugins/
+hf_spec_export.py, EagleExporter, with the llama_eagle_template_config of hf_spec_configs.py):
 
 - config.json: that template's keys in its order, filled from the draft layer's Llama config (vocab_size
   the target's, draft_vocab_size ours), rope_scaling the layer's rope parameters, and an eagle_config dict
@@ -15,7 +15,8 @@ hf_spec_configs.py):
   as ModelOpt's eagle_aux_hidden_state_layer_ids are (its default {1, L//2-1, L-4} is our [2, L//2, L-3]).
 
 ModelOpt's layout has no place for the EAGLE-3.1 options, norm_before_residual, or a drafter narrower than
-its target (fc is len(layers) * hidden_size wide): those are refused, as are other families.
+its target (fc is len(layers) * hidden_size wide): those are refused, as are other families. TensorRT-LLM's
+DFlash takes the mask token's embedding from the target, and ours is learned: DFlash and DSpark are not written.
 """
 
 import json
@@ -27,6 +28,7 @@ from transformers import LlamaConfig
 
 from common.config import UserError
 from speculators import draft_vocab
+from speculators.formats import Format, register_format
 from speculators.layers import rope_theta
 
 SERVING_FILE = "trtllm_serving.yaml"
@@ -146,3 +148,13 @@ def read(config: dict, weights: dict):
     cfg = Eagle3Config(draft_vocab_size=N, intermediate_size=layer_cfg.intermediate_size)
     drafter = Eagle3Drafter(cfg, layer_cfg, layer_ids, layer_cfg.hidden_size)
     return drafter, dict(weights, d2t=d2t, t2d=t2d)
+
+
+def detect(config: dict) -> bool:
+    """LlamaForCausalLMEagle3 with ModelOpt's key."""
+    return (config.get("architectures") == ["LlamaForCausalLMEagle3"]
+            and "next_layer_regular" in (config.get("eagle_config") or {}))
+
+
+register_format(Format("trtllm", write, read, lambda config: None, detect, left_to_target=("embed_tokens.weight",),
+                       families=("eagle3",), beside=serving_files))

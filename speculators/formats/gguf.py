@@ -1,4 +1,4 @@
-"""EAGLE-3 drafters as one GGUF file that llama.cpp serves beside its target:
+"""The gguf format: EAGLE-3 drafters as one GGUF file that llama.cpp serves beside its target:
     llama-speculative-simple -m target.gguf -md draft.gguf --spec-type draft-eagle3 --spec-draft-n-max 4
 (llama-server takes the same flags). Written with gguf-py's GGUFWriter as llama.cpp's converter writes an
 EAGLE-3 draft (conversion/llama.py in its source, `python convert_hf_to_gguf.py DRAFT --target-model-dir
@@ -26,7 +26,8 @@ TARGET`), and shaped as its loader reads one (src/models/eagle3.cpp, src/llama-m
 Validated before anything is written: an EAGLE-3 drafter (llama.cpp serves no other family), valid d2t/t2d,
 exactly 3 target layers inside the target, the target's embedding shape, every tensor's shape as
 llama.cpp creates it. The export is one `*.gguf` file (what -md takes), written to a temporary sibling and
-renamed into place.
+renamed into place. Written, not read back: the tokenizer comes from the target the source records or
+--target (best: the .gguf llama.cpp will serve as the target).
 """
 
 import contextlib
@@ -43,6 +44,7 @@ from gguf.quants import dequantize
 from common.config import UserError
 from common.files import check_writable, disk_error, sync_file
 from speculators import draft_vocab, gguf_file
+from speculators.formats import Format, register_format
 from speculators.layers import rope_theta
 from speculators.target import FrozenTarget, TargetConfig, check_layer_ids
 
@@ -258,3 +260,7 @@ def write(path: Path, drafter, tensors: dict[str, np.ndarray], tokenizer: list) 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+register_format(Format("gguf", None, None, None, save=lambda drafter, out, verifier, overwrite: save(
+    drafter, out, verifier.name_or_path, overwrite)))
