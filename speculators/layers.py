@@ -55,33 +55,144 @@ def decoding_linears(module: nn.Module) -> nn.Module:
     return module
 
 
+# Shapes of a drafter layer for targets whose own layer would make it large. MLA (DeepSeek-V2/V3, Kimi-K2): 128
+# latent-projected heads and a dense MLP of the first layers, about 1B parameters as a plain drafter layer at
+# DeepSeek-V3's scale. The drafter gets plain GQA heads of 128 dims, at most 8 KV heads (SpecForge's DeepSeek-V3
+# drafter: 56 heads, 8 KV heads for hidden 7,168) and an MLP twice the hidden size (ModelOpt's 14,336 for 7,168).
+# A plain target keeps its own shapes unless its queries are wider than 2x hidden, its heads do not divide the
+# hidden size (GLM-4.5: 96 heads, hidden 5,120; a Llama layer needs them to), or its MLP is wider than 4x hidden.
+DRAFTER_HEAD_DIM = 128
+DRAFTER_MAX_KV_HEADS = 8
+MLA_MLP_WIDTH = 2  # x hidden
+MAX_QUERY_WIDTH, MAX_MLP_WIDTH = 2, 4  # x hidden, for targets without MLA
+# Rope kinds RotaryTable computes from transformers' own frequency functions (the others change with the
+# sequence length: dynamic NTK, LongRoPE's short and long factors).
+ROPE_KINDS = ("default", "linear", "yarn", "llama3")
+_said: set[str] = set()
+
+
+def say_once(line: str) -> None:
+    """Print `line` the first time this process says it (a drafter is built again for its export copy)."""
+    if line not in _said:
+        _said.add(line)
+        print(line, flush=True)
+
+
+def is_mla(config) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash): keys and values from a low-rank latent."""
+    return getattr(config, "kv_lora_rank", None) is not None
+
+
 def layer_config(target, intermediate_size: int | None = None) -> LlamaConfig:
     """A drafter's decoder layer for `target` (a speculators.target.FrozenTarget): the target's attention and MLP
-    shapes (the MLP as wide as `intermediate_size` when given), one layer, the target's vocab."""
+    shapes (the MLP as wide as `intermediate_size` when given) unless they would make the drafter large (MLA, very
+    wide targets: drafter_shape, said in one line), its rope (drafter_rope), one layer, the target's vocab."""
     c = target.config
+    heads, kv_heads, head_dim, width = drafter_shape(c, intermediate_size)
     return LlamaConfig(
-        hidden_size=c.hidden_size, intermediate_size=intermediate_size or c.intermediate_size,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), max_position_embeddings=c.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta(c)},
+        hidden_size=c.hidden_size, intermediate_size=width, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+        max_position_embeddings=c.max_position_embeddings, rope_parameters=drafter_rope(c),
         num_hidden_layers=1, vocab_size=target.vocab_size, tie_word_embeddings=False,
     )
+
+
+def drafter_shape(c, intermediate_size: int | None = None) -> tuple[int, int, int, int]:
+    """(heads, KV heads, head dim, MLP width) of the drafter layer for a target of config `c`."""
+    H = c.hidden_size
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or H // heads
+    width = getattr(c, "intermediate_size", None) or MAX_MLP_WIDTH * H
+    said = []
+    if is_mla(c) or heads * head_dim > MAX_QUERY_WIDTH * H or H % heads:
+        own = (f"MLA ({heads} heads, kv_lora_rank {c.kv_lora_rank})" if is_mla(c) else
+               f"{heads} heads x {head_dim} ({heads * head_dim:,} wide, over {MAX_QUERY_WIDTH}x hidden)"
+               if heads * head_dim > MAX_QUERY_WIDTH * H else f"{heads} heads, which do not divide hidden {H}")
+        head_dim = min(DRAFTER_HEAD_DIM, H // 4)
+        heads = H // head_dim
+        kv_heads = max(d for d in range(1, DRAFTER_MAX_KV_HEADS + 1) if heads % d == 0)
+        said.append(f"attention {heads} heads x {head_dim} ({kv_heads} KV heads), not the target's {own}")
+    if intermediate_size is None and (is_mla(c) or width > MAX_MLP_WIDTH * H):
+        small = MLA_MLP_WIDTH * H if is_mla(c) else MAX_MLP_WIDTH * H
+        said.append(f"an MLP {small:,} wide ({small // H}x hidden), not the target's {width:,}")
+        width = small
+    if said:
+        say_once(f"drafter layer for this {c.model_type} target: {' and '.join(said)}, as SpecForge and ModelOpt "
+                 f"shape DeepSeek-V3 drafters (drafter.intermediate_size sets the MLP)")
+    return heads, kv_heads, head_dim, intermediate_size or width
+
+
+def drafter_rope(c) -> dict:
+    """The drafter's rope parameters: the target's kind (linear, YaRN, Llama-3 scaling) where RotaryTable computes
+    it; of a target with a rope per layer type (Gemma-3), its full-attention layers' (the drafter attends over the
+    whole context); otherwise plain RoPE at the target's theta. Said in one line unless plain RoPE is the target's."""
+    params = dict(getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": rope_theta(c)})
+    source = "the target's"
+    if "full_attention" in params and isinstance(params["full_attention"], dict):  # one rope per layer type
+        others = {kind: describe_rope(p) for kind, p in params.items() if kind != "full_attention"}
+        params = dict(params["full_attention"])
+        source = "the target's full-attention layers' (not its " + ", ".join(
+            f"{kind.replace('_attention', '')} layers' {rope}" for kind, rope in others.items()) + ")"
+    partial = params.pop("partial_rotary_factor", None) or getattr(c, "partial_rotary_factor", None)
+    kind = params.get("rope_type", "default")
+    if kind not in ROPE_KINDS:
+        params = {"rope_type": "default", "rope_theta": float(params.get("rope_theta", rope_theta(c)))}
+        source = f"plain RoPE instead of the target's {kind} (its frequencies change with the sequence length)"
+    params = {k: v for k, v in params.items() if v is not None}
+    if kind != "default" or source != "the target's" or partial not in (None, 1.0):
+        rotated = "" if partial in (None, 1.0) else f", rotating every dim of its heads (the target: {partial:.0%})"
+        say_once(f"drafter rope: {describe_rope(params)}, {source}{rotated}")
+    return params
+
+
+def describe_rope(params: dict) -> str:
+    """'yarn (factor 32, theta 150000)'."""
+    kind = params.get("rope_type", "default")
+    extra = f"factor {params['factor']:g}, " if "factor" in params else ""
+    theta = float(params.get("rope_theta", 10000))
+    return f"{'plain RoPE' if kind == 'default' else kind} ({extra}theta {theta:.0f})"
 
 
 def rope_theta(config) -> float:
     """transformers 5 keeps it in rope_parameters, 4.x in rope_theta."""
     params = getattr(config, "rope_parameters", None) or {}
+    if "full_attention" in params and isinstance(params["full_attention"], dict):
+        params = params["full_attention"]
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [..., head_dim] for integer `positions` of any shape."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float().unsqueeze(-1) * inv_freq
+def rope_frequencies(layer_cfg: LlamaConfig) -> tuple[torch.Tensor | None, float]:
+    """(inverse frequencies [head_dim / 2], cos/sin scale) of a layer config's rope, by transformers' own
+    functions; (None, 1.0) for plain RoPE, which `rotary` computes from theta."""
+    params = getattr(layer_cfg, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        return None, 1.0
+    if kind not in ROPE_KINDS:
+        raise ValueError(f"rope_type {kind!r}: the drafter's rotary table computes {', '.join(ROPE_KINDS)}")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # YaRN's remark on max_position_embeddings, once per table
+    try:
+        with torch.device("cpu"):  # real numbers even where the drafter is built on the meta device
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](layer_cfg, torch.device("cpu"))
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return inv_freq.float(), float(scale)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float, inv_freq: torch.Tensor | None = None,
+           scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [..., head_dim] for integer `positions` of any shape: plain RoPE at `theta`, or the
+    given inverse frequencies and scale (linear, YaRN, Llama-3 scaling: rope_frequencies)."""
+    if inv_freq is None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,15 +208,17 @@ class RotaryTable:
 
     def __init__(self, layer_cfg: LlamaConfig):
         self.head_dim, self.theta = layer_cfg.head_dim, rope_theta(layer_cfg)
+        self.inv_freq, self.scale = rope_frequencies(layer_cfg)
         self.table = None
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [..., head_dim] of integer `positions` of any shape (training: computed, not cached)."""
-        return rotary(positions, self.head_dim, self.theta)
+        return rotary(positions, self.head_dim, self.theta, self.inv_freq, self.scale)
 
     def __call__(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.table is None or len(self.table[0]) < length or self.table[0].device != torch.device(device):
-            self.table = rotary(torch.arange(max(length, 1024), device=device), self.head_dim, self.theta)
+            self.table = rotary(torch.arange(max(length, 1024), device=device), self.head_dim, self.theta,
+                                self.inv_freq, self.scale)
         return self.table
 
 

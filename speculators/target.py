@@ -299,10 +299,13 @@ class FrozenTarget:
         """hidden_states[L] in float32 from the last decoder layer's output before the final norm (what vLLM's
         hidden-state extraction gives)."""
         base = self.model.base_model
+        if base is self.model:  # base_model_prefix names no attribute (Llama-4 text: "language_model", held as model)
+            base = getattr(self.model, "model", base)
         base = getattr(base, "language_model", base)  # a multimodal checkpoint: its language model's norm
-        norm = next((getattr(base, name) for name in ("norm", "final_layernorm", "ln_f") if hasattr(base, name)), None)
+        names = ("norm", "final_layernorm", "ln_f", "embedding_norm")  # LFM2 names its final norm embedding_norm
+        norm = next((getattr(base, name) for name in names if hasattr(base, name)), None)
         if norm is None:
-            raise UserError(f"target {self.name_or_path}: no final norm found (norm, final_layernorm or ln_f) to finish "
+            raise UserError(f"target {self.name_or_path}: no final norm found ({', '.join(names)}) to finish "
                             "the last layer's hidden states")
         with align_module_device(norm):
             weight_device = next(norm.parameters()).device
