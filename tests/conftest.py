@@ -184,6 +184,7 @@ def cpu_kernel():
 # are read in one place; a new test is quick until it is listed. `python -m pytest -m "not slow"` is the quick
 # tier; plain `python -m pytest` (CI) runs every tier but skips gpu without CUDA and engines until built.
 SLOW = {
+    "test_architectures.py": {"test_train_py_trains_exports_and_serves_a_gpt_oss_target"},
     "test_batch.py": {"test_batch_sampling_emits_the_target_distribution"},
     "test_batch_sweep.py": {"test_command_line_end_to_end"},
     "test_cache_integrity.py": {"test_train_cli_refuses_a_flipped_shard_in_one_line"},
