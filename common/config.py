@@ -20,8 +20,16 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-# `${project_root:}` in conf/ names files shipped in the repository (the default target).
+
+def _project_root() -> Path:
+    """The folder that holds conf/, data/ and models/: the checkout's root, or in an installed wheel the `common`
+    package, where setup.py packs them."""
+    here = Path(__file__).resolve().parent
+    return here if (here / "conf").is_dir() else here.parent
+
+
+PROJECT_ROOT = _project_root()
+# `${project_root:}` in conf/ names files shipped with the code (the default target, the shipped data).
 OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
 
 
@@ -234,6 +242,17 @@ def run_command(config_name: str, config_class: type, task: Callable, config_dir
     run_cli(main)
 
 
+NAMING_KEYS = ("target.name_or_path=", "target.gguf_file=")
+
+
+def with_named_target(overrides: list[str]) -> list[str]:
+    """Naming a target on the command line picks `target=yours`: a recipe's default target (conf=eagle3's
+    SmolLM2) brings its own settings (feature layers, data, starting weights) that must not reach another model."""
+    names_one = any(o.startswith(NAMING_KEYS) and o.split("=", 1)[1] not in ("", "null") for o in overrides)
+    picks_one = any(o.split("=", 1)[0].lstrip("+~") == "target" for o in overrides)
+    return ["target=yours", *overrides] if names_one and not picks_one else overrides
+
+
 def run_cli(hydra_main: Callable[[], None]) -> None:
     """Run a @hydra.main function; config and input errors end in one line on stderr.
 
@@ -245,6 +264,7 @@ def run_cli(hydra_main: Callable[[], None]) -> None:
     os.environ["SPECULATORS_TRACEBACK"] = "1" if want_traceback else "0"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra's errors reach us instead of its printer
     try:
+        sys.argv[1:] = with_named_target(sys.argv[1:])
         hydra_main()
     except (UserError, HydraException, OmegaConfBaseException) as e:
         if want_traceback:

@@ -18,6 +18,7 @@ import torch
 
 from common import plots
 from common.config import UserError, at_least, require
+from common.progress import bar
 from common.tracking import LoggerConfig, wandb_mode
 from inference import calibration
 from inference.drafting import DraftingConfig, serving_k
@@ -194,10 +195,12 @@ class Tally:
         self.steps += max(map(len, spec.tokens)) - 1
         self.base_steps += max(map(len, base.tokens)) - 1
         self.batches += 1
+        alone = spec.stats.acceptance_length if len(batch) == 1 else None  # a batch's stats are not per prompt
         for prompt, out, baseline in zip(batch, spec.tokens, base.tokens):
             self.rows.append({"prompt": prompt.text, "turn": prompt.turn, "prompt_ids": prompt.ids,
                               "output_ids": out, "output": target.tokenizer.decode(out),
-                              "baseline_output_ids": baseline, "matches_baseline": out == baseline})
+                              "baseline_output_ids": baseline, "matches_baseline": out == baseline,
+                              "acceptance_length": alone})
 
     def add(self, other: "Tally") -> None:
         self.spec.add(other.spec)
@@ -246,14 +249,18 @@ def measure_turn(target, arms: dict[str, tuple], prompts: list[Prompt], cfg: Inf
     """name -> Tally of each (drafter, K) arm; every batch decoded target-only once, then by each arm."""
     size = cfg.batch_size
     tallies = {name: Tally(k) for name, (_, k, _) in arms.items()}
-    for first in range(0, len(prompts), size):  # batch by batch; seed: that of the batch's first prompt
-        batch = prompts[first : first + size]
-        ids = [p.ids for p in batch]
-        base = generate_batch(target, None, ids, cfg.max_new_tokens, 0, cfg.temperature, cfg.seed + first)
-        for name, (drafter, k, drafting) in arms.items():
-            spec = generate_batch(target, drafter, ids, cfg.max_new_tokens, k, cfg.temperature, cfg.seed + first,
-                                  drafting, cfg.acceptance_tolerance)
-            tallies[name].add_batch(target, batch, base, spec)
+    turn = f" (turn {prompts[0].turn})" if prompts and prompts[0].turn > 1 else ""
+    with bar(total=len(prompts) * (1 + len(arms)), unit="decode", desc=f"serving {len(arms)} arms{turn}") as shown:
+        for first in range(0, len(prompts), size):  # batch by batch; seed: that of the batch's first prompt
+            batch = prompts[first : first + size]
+            ids = [p.ids for p in batch]
+            base = generate_batch(target, None, ids, cfg.max_new_tokens, 0, cfg.temperature, cfg.seed + first)
+            shown.update(len(batch))
+            for name, (drafter, k, drafting) in arms.items():
+                spec = generate_batch(target, drafter, ids, cfg.max_new_tokens, k, cfg.temperature,
+                                      cfg.seed + first, drafting, cfg.acceptance_tolerance)
+                tallies[name].add_batch(target, batch, base, spec)
+                shown.update(len(batch))
     return tallies
 
 

@@ -11,7 +11,14 @@ from omegaconf import OmegaConf
 from benchmarks.batch_sweep import BatchSweepConfig
 from benchmarks.bench import BenchConfig
 from benchmarks.llamacpp_bench import LlamacppBenchConfig
-from common.config import OneLineArgumentParser, UserError, _user_message, check_no_missing, to_dataclass
+from common.config import (
+    OneLineArgumentParser,
+    UserError,
+    _user_message,
+    check_no_missing,
+    to_dataclass,
+    with_named_target,
+)
 from inference.report import InferenceConfig
 from speculators.families import family
 from speculators.target import FrozenTarget, TargetConfig
@@ -22,7 +29,7 @@ CONF = Path(__file__).resolve().parent.parent / "conf"
 
 def composed(overrides: list[str], folder: Path = CONF, name: str = "config"):
     with initialize_config_dir(str(folder), version_base="1.3"):
-        return compose(name, overrides=overrides)
+        return compose(name, overrides=with_named_target(overrides))
 
 
 def typed(cfg):

@@ -1,5 +1,5 @@
 """The recipes people start from: conf=eagle3 for their own chat model (ShareGPT through its chat template,
-MT-bench, a bf16 target, a draft vocabulary for large vocabularies, no default target), conf=eagle3_pycode the
+MT-bench, a bf16 target, a draft vocabulary for large vocabularies; with no target named, the SmolLM2 demo), conf=eagle3_pycode the
 offline toy, the toy's corpus refused for any other target, and trainer=gpu."""
 
 import copy
@@ -47,16 +47,29 @@ def test_eagle3_for_a_chat_model_composes_chat_data_not_the_stdlib(chat_dir):
     assert (recipe.trainer.accelerator, recipe.trainer.strategy) == ("cpu", "auto")
     # A GGUF file needs no target.name_or_path=null, and a conf/target/ file still takes its place.
     assert typed(composed(["conf=eagle3", "target.gguf_file=my/model.gguf"]))[0].target.name == "my/model.gguf"
-    smollm2, _ = typed(composed(["conf=eagle3", "target=smollm2"]))
-    assert smollm2.target.gguf_file.endswith(".gguf") and smollm2.data.layout == "sharegpt"
 
 
-def test_eagle3_without_a_target_fails_with_one_line_naming_how_to_pass_one(tmp_path, monkeypatch):
+
+def test_eagle3_with_no_target_named_is_the_demo_and_naming_one_leaves_none_of_it(chat_dir):
+    """conf=eagle3 alone continues the shipped drafter for SmolLM2 on conversations it never read; a named target
+    (folder or GGUF) gets the plain chat recipe: no SmolLM2 layer ids, data, draft vocabulary or starting weights."""
+    demo, drafter = typed(composed(["conf=eagle3"]))
+    assert demo.target.gguf_file.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and demo.quant.scheme == "gguf"
+    assert demo.init_from == str(PROJECT_ROOT / "models" / "smollm2-eagle3")
+    assert (demo.data.layout, demo.data.path) == ("messages", str(PROJECT_ROOT / "data" / "sharegpt-smollm2"))
+    assert demo.data.skip_examples == 8192 and demo.eval.name == "data" and drafter.draft_vocab_size == 8192
+    plain, _ = typed(composed(["conf=eagle3", "target.gguf_file=my/model.gguf"]))
+    for named in (plain, typed(composed(["conf=eagle3", f"target.name_or_path={chat_dir}"]))[0]):
+        assert named.init_from is None and named.target.layer_ids is None and named.quant.scheme == "none"
+        assert (named.data.layout, named.data.skip_examples, named.eval.name) == ("sharegpt", 0, "mtbench")
+
+
+def test_the_chat_recipe_without_a_target_fails_with_one_line_naming_how_to_pass_one(tmp_path, monkeypatch):
     with pytest.raises(UserError) as error:
-        typed(composed(["conf=eagle3"]))
+        typed(composed(["conf=eagle3", "target=yours"]))
     assert str(error.value) == NO_TARGET and "target.name_or_path=" in NO_TARGET and "target.gguf_file=" in NO_TARGET
-    code, stderr = run_in_process("train", ["conf=eagle3", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"],
-                                  monkeypatch)
+    code, stderr = run_in_process("train", ["conf=eagle3", "target=yours", "logger=none",
+                                            f"hydra.run.dir={tmp_path / 'run'}"], monkeypatch)
     assert one_line_error(code, stderr) == f"error: {NO_TARGET}"
 
 
@@ -85,11 +98,11 @@ def test_eagle3_trains_a_chat_model_whose_vocabulary_is_below_the_draft_vocabula
 # --- conf=eagle3_pycode: the toy, and its corpus kept to it ------------------------------------------
 
 
-def test_eagle3_pycode_is_the_offline_toy_and_the_default_recipe():
+def test_eagle3_pycode_is_the_offline_toy_and_the_demo_the_default_recipe():
     recipe, drafter = typed(composed(["conf=eagle3_pycode"]))
     assert recipe.target.name_or_path == str(PROJECT_ROOT / "models" / "pycode") and recipe.target.dtype == "float32"
     assert (recipe.data.source, recipe.eval.name, drafter.draft_vocab_size) == ("stdlib", "data", 2048)
-    assert composed([]) == composed(["conf=eagle3_pycode"])  # `python train.py` alone runs offline anywhere
+    assert composed([]) == composed(["conf=eagle3"])  # `python train.py` alone is the main command
     assert pretrained_on_stdlib(recipe.target.name_or_path)
 
 

@@ -75,7 +75,7 @@ def tiny_training(llama_dir: Path, stdlib: Path, run_dir: Path, recipe: str = "e
                 "trainer.progress_bar=false", "model.vocab_size=300", "model.hidden_size=32",
                 "model.intermediate_size=64", "model.num_hidden_layers=2"]
     # The groups of the quick recipes, whatever the recipe's own (eagle3_smollm2 serves a GGUF, packed)
-    # and none of its data selection or starting weights (eagle3_smollm2_adapt: a slice of ShareGPT, the shipped drafter)
+    # and none of its data selection or starting weights (conf=eagle3 with no target: a slice of ShareGPT, the shipped drafter)
     return [f"conf={recipe}", "target=pycode", "data=stdlib", "quant=none", "eval=data", "init_from=null",
             "++data.path=null", "++data.max_examples=null", "++data.skip_examples=0", f"hydra.run.dir={run_dir}",
             f"target.name_or_path={llama_dir}",

@@ -1,5 +1,6 @@
 """The drafter recipe: distil a drafter from the frozen target, export it, report its acceptance."""
 
+import statistics
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -83,6 +84,8 @@ def fit_draft_vocab(drafter_cfg, target: FrozenTarget):
 def continue_from(drafter, path: str, target: FrozenTarget) -> None:
     """Start from an export's weights, its draft vocabulary included (init_from=): more training on new data."""
     saved, _ = export.load(Path(path))
+    steps = (export.training_record(Path(path)) or {}).get("steps")
+    announce(f"starting from {path} (init_from; {steps or 'unknown'} steps of training), not from a new drafter")
     report.check_trained_for(path, saved, target)
     export.share_target_embedding(saved, target)
     if type(saved) is not type(drafter):
@@ -145,8 +148,8 @@ def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[eval
     result = results[best] | {
         "plan": plan_summary(results["plan"], temperatures, target, drafter, export_dir) if planned else None,
         "k_sweep": {str(k): summary(results[k]) for k in arms},
-        "init_from": {"path": recipe.init_from, **summary(results["before"]),
-                      "this_run": summary(results[before.k])} if before else None,
+        "init_from": {"path": recipe.init_from, **summary(results["before"]), "this_run": summary(results[before.k]),
+                      "tau_gain": paired_gain(results[before.k], results["before"])} if before else None,
         "offline_accuracy_per_step": [float(offline[f"val/acc_step{j}"]) for j in range(drafter.depth)
                                       if f"val/acc_step{j}" in offline]}
     path = report.write(result, export_dir.parent / "acceptance")
@@ -192,9 +195,27 @@ def served_export(path, target: FrozenTarget):
     return drafter.eval().to(target.device)
 
 
+def paired_gain(after: dict, before: dict) -> dict | None:
+    """Per-prompt tau after minus before on the same prompts (the same target outputs): its mean and standard
+    error; beyond the noise when the mean is more than two standard errors from zero."""
+    gains = [a["acceptance_length"] - b["acceptance_length"] for a, b in zip(after["prompts"], before["prompts"])
+             if a["acceptance_length"] is not None and b["acceptance_length"] is not None]
+    if len(gains) < 2:
+        return None
+    mean, se = statistics.fmean(gains), statistics.stdev(gains) / len(gains) ** 0.5
+    return {"mean": mean, "se": se, "prompts": len(gains), "beyond_noise": abs(mean) > 2 * se}
+
+
 def summary(figures: dict) -> dict:
     return {"k": figures["config"]["k"]} | {key: figures[key] for key in (
         "acceptance_length", "speedup", "tokens_per_second", "baseline_tokens_per_second", "outputs_match_baseline")}
+
+
+def gain_words(gain: dict | None) -> str:
+    if gain is None:
+        return ""
+    verdict = "beyond the noise" if gain["beyond_noise"] else "within the noise"
+    return f" (per prompt {gain['mean']:+.3f} +- {gain['se']:.3f} s.e. over {gain['prompts']} prompts: {verdict})"
 
 
 def closing_lines(result: dict, export_dir: Path) -> str:
@@ -215,5 +236,6 @@ def closing_lines(result: dict, export_dir: Path) -> str:
         before, after = result["init_from"], result["init_from"]["this_run"]
         lines.append(f"started from {before['path']}: tau {before['acceptance_length']:.3f} at K={before['k']} "
                      f"({before['speedup']:.2f}x); after this run: tau {after['acceptance_length']:.3f} "
-                     f"({after['speedup']:.2f}x), {after['acceptance_length'] - before['acceptance_length']:+.3f}")
+                     f"({after['speedup']:.2f}x), {after['acceptance_length'] - before['acceptance_length']:+.3f}"
+                     + gain_words(before["tau_gain"]))
     return "\n".join(lines)

@@ -52,9 +52,9 @@ from huggingface_hub import snapshot_download
 from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import save
-from tqdm import tqdm
 
-from common.config import UserError, exit_on_user_error, run_cli, to_dataclass
+from common import progress as shown
+from common.config import PROJECT_ROOT, UserError, exit_on_user_error, run_cli, to_dataclass
 from engines import vllm_venv
 from speculators import gguf_file
 from speculators.export import check_writable, move_into_place
@@ -161,7 +161,7 @@ def build(recipe, device: str = "cpu") -> Path:
               "computing the rest")
     states = VLLMStates(recipe, target, python) if vllm else TargetStates(target)
     try:
-        with tqdm(total=total, unit="row", desc="hidden states") as bar:
+        with shown.bar(total=total, unit="row", desc="hidden states") as bar:
             for split, name, rows, fingerprint in plan:
                 if progress.take(split, name, fingerprint, len(rows)):
                     bar.update(len(rows))
@@ -483,7 +483,7 @@ def read_index(folder: Path) -> dict:
     return index
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(PROJECT_ROOT / "conf"), config_name="config", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
 

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 import transformers
-from tqdm import tqdm
 from transformers import GenerationConfig
 
+from common import progress as shown
 from common.config import UserError, at_least, one_of, require, run_command
 from common.corpus import SPLITS
 from engines import llamacpp, vllm_venv
@@ -134,7 +134,7 @@ def regenerate(cfg: RegenerateConfig) -> Path:
     tally, chunk = Tally(), cfg.batch_size * CHUNK_BATCHES
     generator = make_generator(cfg, target, tally, python)
     start = time.perf_counter()  # after the engine has loaded
-    with tqdm(initial=done, total=len(rows), unit="conversation", desc="regenerating") as bar, \
+    with shown.bar(initial=done, total=len(rows), unit="conversation", desc="regenerating") as bar, \
             contextlib.closing(generator):
         for at in range(done, len(rows), chunk):
             chosen = rows[at : at + chunk]
