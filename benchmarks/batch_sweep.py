@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from benchmarks.tables import write_result
 from common import plots
-from common.config import at_least, exit_on_user_error, require, run_cli, to_dataclass
+from common.config import PROJECT_ROOT, at_least, exit_on_user_error, require, run_cli, to_dataclass
 from inference import evalsets, report
 from inference.drafting import serving_k
 from kernels.provenance import git_revision, machine
@@ -120,7 +120,7 @@ def plot(result: dict, path: Path) -> None:
             ax.legend(fontsize=8)
 
 
-@hydra.main(config_path="../conf/benchmarks", config_name="batch_sweep", version_base="1.3")
+@hydra.main(config_path=str(PROJECT_ROOT / "conf" / "benchmarks"), config_name="batch_sweep", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     cfg = to_dataclass(BatchSweepConfig, cfg)

@@ -31,7 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from benchmarks import rounds
-from common.config import at_least, exit_on_user_error, require, run_cli, to_dataclass
+from common.config import PROJECT_ROOT, at_least, exit_on_user_error, require, run_cli, to_dataclass
 from inference import drafting, evalsets
 from inference.drafting import serving_k
 from inference.evalsets import EvalConfig
@@ -148,7 +148,7 @@ def table(rows: dict) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path="../conf/benchmarks", config_name="bench", version_base="1.3")
+@hydra.main(config_path=str(PROJECT_ROOT / "conf" / "benchmarks"), config_name="bench", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     from inference import report

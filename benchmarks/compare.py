@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from benchmarks import rounds
 from benchmarks.tables import write_result
 from common import plots
-from common.config import UserError, at_least, exit_on_user_error, require, run_cli, to_dataclass
+from common.config import PROJECT_ROOT, UserError, at_least, exit_on_user_error, require, run_cli, to_dataclass
 from inference import evalsets
 from inference.drafting import DraftingConfig, serving_k
 from inference.evalsets import EvalConfig
@@ -185,7 +185,7 @@ def write(result: dict, out_dir: Path) -> Path:
                         lambda path: plot(result["rows"], path))
 
 
-@hydra.main(config_path="../conf/benchmarks", config_name="compare", version_base="1.3")
+@hydra.main(config_path=str(PROJECT_ROOT / "conf" / "benchmarks"), config_name="compare", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     from inference import report

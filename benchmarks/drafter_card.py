@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from benchmarks import bench, llamacpp_bench
 from benchmarks.compare import vocabulary_coverage
 from benchmarks.tables import write_result
-from common.config import at_least, exit_on_user_error, require, run_cli, to_dataclass
+from common.config import PROJECT_ROOT, at_least, exit_on_user_error, require, run_cli, to_dataclass
 from inference import evalsets, report
 from inference.drafting import DraftingConfig, serving_k
 from inference.evalsets import EvalConfig
@@ -246,7 +246,7 @@ def fastest_setting(rows: dict, lookup: dict) -> tuple[str, str, float]:
     return overrides, setting, rows[best]["speedup"]
 
 
-@hydra.main(config_path="../conf/benchmarks", config_name="drafter_card", version_base="1.3")
+@hydra.main(config_path=str(PROJECT_ROOT / "conf" / "benchmarks"), config_name="drafter_card", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     cfg = to_dataclass(DrafterCardConfig, cfg)

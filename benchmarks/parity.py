@@ -18,7 +18,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from common.config import UserError, exit_on_user_error, run_cli, to_dataclass
+from common.config import PROJECT_ROOT, UserError, exit_on_user_error, run_cli, to_dataclass
 
 TOLERANCE = 0.02  # relative tau gap allowed: near-tie argmaxes may flip under float reordering
 
@@ -88,7 +88,7 @@ def check(drafter_path: str, reference_path: str | None = None, target_path: str
     return result
 
 
-@hydra.main(config_path="../conf/benchmarks", config_name="parity", version_base="1.3")
+@hydra.main(config_path=str(PROJECT_ROOT / "conf" / "benchmarks"), config_name="parity", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     cfg = to_dataclass(ParityConfig, cfg)

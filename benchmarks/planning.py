@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from benchmarks import compare
 from benchmarks.tables import write_result
-from common.config import UserError, at_least, exit_on_user_error, run_cli, to_dataclass
+from common.config import PROJECT_ROOT, UserError, at_least, exit_on_user_error, run_cli, to_dataclass
 from inference import calibration, evalsets
 from inference.drafting import DraftingConfig, serving_k
 from inference.evalsets import EvalConfig
@@ -83,7 +83,7 @@ def write_tables(label: str, path: str, temperatures, target, planner, cfg: Plan
         planner.costs.write_sps(folder / "sps.json", planner.drafter_ms())
 
 
-@hydra.main(config_path="../conf/benchmarks", config_name="planning", version_base="1.3")
+@hydra.main(config_path=str(PROJECT_ROOT / "conf" / "benchmarks"), config_name="planning", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     from inference import report

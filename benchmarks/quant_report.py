@@ -381,7 +381,7 @@ def write(result: dict, out_dir: Path) -> Path:
                         lambda path: plot(result, path))
 
 
-@hydra.main(config_path="../conf/benchmarks", config_name="quant_report", version_base="1.3")
+@hydra.main(config_path=str(PROJECT_ROOT / "conf" / "benchmarks"), config_name="quant_report", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     cfg = to_dataclass(QuantReportConfig, cfg)

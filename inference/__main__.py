@@ -8,13 +8,13 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from common.config import exit_on_user_error, run_cli, to_dataclass
+from common.config import PROJECT_ROOT, exit_on_user_error, run_cli, to_dataclass
 from inference import evalsets, report
 
 
 # Its own config folder (conf/eval and conf/quant linked in): `target=<path>` is a plain value here, not the
 # training group.
-@hydra.main(config_path="../conf/inference", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(PROJECT_ROOT / "conf" / "inference"), config_name="config", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     cfg = to_dataclass(report.InferenceConfig, cfg)

@@ -10,6 +10,7 @@ tl.sum, tl.max, ... when it is imported, so TRITON_INTERPRET=1 must be in the en
 before anything imports triton. `use_triton` reads the value our kernels were decorated with.
 """
 
+import common  # noqa: F401  refuses, in one line, an environment where Hugging Face's kernels shares this import name
 from kernels.dispatch import INTERPRET, use_triton
 from kernels.distill import (
     distill_loss,

@@ -14,6 +14,8 @@ import torch
 def git_revision() -> str | None:
     """HEAD, with -dirty when the work tree has changes; None outside a git checkout."""
     root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():  # an installed package: a git repository around site-packages is not ours
+        return None
     try:
         def git(*cmd):
             return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
