@@ -35,6 +35,14 @@ tau is the mean tokens per verification (accepted drafts + 1) over two prompts a
 (the verify path is exercised); a 3-step drafter of a random target mostly does not. *drafter layer* is the
 EAGLE-3 layer built for the target: heads x head dim / KV heads, MLP width, rope (speculators/layers.py). A CI run
 fails when this table is not the one the run makes. transformers {version}.
+
+The drafter's layer has the target's attention and MLP shapes, except for MLA targets (DeepSeek-V2/V3, Kimi-K2,
+GLM-4.7-Flash) and very wide ones (queries over 2x hidden, heads that do not divide hidden, an MLP over 4x hidden):
+those get GQA heads of 128 dims with at most 8 KV heads, and for MLA an MLP twice the hidden size, as SpecForge
+(56 heads, 8 KV heads) and ModelOpt (MLP 14,336) shape DeepSeek-V3 drafters: 0.49B parameters a layer at
+DeepSeek-V3's scale where copying its shapes made 0.81B. Its rope is the target's kind (linear, YaRN, Llama-3
+scaling; of Gemma-3's rope per layer type, the full-attention layers'), else plain RoPE at the target's theta.
+Training says either choice in one line at start (speculators/layers.py layer_config).
 """
 
 

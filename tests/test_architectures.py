@@ -27,6 +27,7 @@ import torch
 from test_engine import MAX_NEW, prompts_of
 
 from benchmarks import support_table
+from common.corpus import STDLIB_SOURCE
 from inference.engine import check_pair, generate
 from speculators import export
 from speculators.quant import QuantConfig
@@ -61,7 +62,10 @@ FAMILIES = {
                         S: {"rope_type": "default", "rope_theta": 1e4}})),
     "gemma3": ("multimodal (text served)", "Gemma3ForConditionalGeneration", "Gemma3Config", {}),
     "gpt_oss": ("moe, sliding window, YaRN", "GptOssForCausalLM", "GptOssConfig",
-                dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, layer_types=[S, F, S, F])),
+                dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, layer_types=[S, F, S, F],
+                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "truncate": False, "original_max_position_embeddings": 64,
+                                      "rope_theta": 150000.0})),
     "phi3": ("dense, fused qkv", "Phi3ForCausalLM", "Phi3Config", {}),
     "llama4_text": ("moe, chunked attention", "Llama4ForCausalLM", "Llama4TextConfig",
                     dict(intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
@@ -272,6 +276,7 @@ def test_train_py_trains_exports_and_serves_a_gpt_oss_target(tokenizer, tmp_path
     folder = tmp_path / "gpt_oss"
     build("gpt_oss", tokenizer).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    (folder / "training.json").write_text(json.dumps({"corpus": {"source": STDLIB_SOURCE}}))  # data=stdlib's own
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     args = [sys.executable, str(REPO / "train.py"), "conf=eagle3", f"target.name_or_path={folder}",
