@@ -52,7 +52,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from benchmarks.tables import write_result
-from common.config import UserError, at_least, exit_on_user_error, one_of, require, run_cli, to_dataclass
+from common.config import PROJECT_ROOT, UserError, at_least, exit_on_user_error, one_of, require, run_cli, to_dataclass
 from engines import ENGINES, llamacpp, serving_engine, vllm_venv
 from inference import evalsets
 from inference.drafting import serving_k
@@ -414,7 +414,7 @@ def command_line() -> str:
     return "python -m benchmarks.engines " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
-@hydra.main(config_path="../conf/benchmarks", config_name="engines", version_base="1.3")
+@hydra.main(config_path=str(PROJECT_ROOT / "conf" / "benchmarks"), config_name="engines", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     import torch

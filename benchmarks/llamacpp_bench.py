@@ -26,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from benchmarks import rounds
-from common.config import UserError, at_least, exit_on_user_error, require, run_cli, to_dataclass
+from common.config import PROJECT_ROOT, UserError, at_least, exit_on_user_error, require, run_cli, to_dataclass
 from engines import llamacpp
 from inference import evalsets, report
 from inference.drafting import serving_k
@@ -164,7 +164,7 @@ def measure(drafter_path: str, drafter, target, cfg: LlamacppBenchConfig, out: P
         "git_revision": report.git_revision(), "machine": report.machine()}
 
 
-@hydra.main(config_path="../conf/benchmarks", config_name="llamacpp_bench", version_base="1.3")
+@hydra.main(config_path=str(PROJECT_ROOT / "conf" / "benchmarks"), config_name="llamacpp_bench", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     cfg = to_dataclass(LlamacppBenchConfig, cfg)
