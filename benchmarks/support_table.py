@@ -60,9 +60,9 @@ def row(r: dict) -> list[str]:
              f"{'RoPE' if layer['rope'] == 'default' else layer['rope']}")
     gguf_rope = layer["rope"] != "default"  # the gguf file records theta alone: llama.cpp rotates with plain RoPE
     exported = [f"{fmt}*" if fmt == "gguf" and gguf_rope else fmt for fmt in r["exported"]]
-    return [r["family"], r["kind"] + (" (recurrent state)" if r["recurrent"] else ""), f"yes ({r['trained_steps']} steps)",
-            ", ".join(exported), "yes", "yes" if r["lossless"] else "NO", f"{r['tau_self_int8']:.2f}",
-            f"{r['tau_trained']:.2f}", shape]
+    kind = r["kind"] + (" (recurrent state)" if r["recurrent"] else "")
+    return [r["family"], kind, f"yes ({r['trained_steps']} steps)", ", ".join(exported), "yes",
+            "yes" if r["lossless"] else "NO", f"{r['tau_self_int8']:.2f}", f"{r['tau_trained']:.2f}", shape]
 
 
 def rows(results: list[dict]) -> list[list[str]]:

@@ -115,7 +115,8 @@ def drafter_shape(c, intermediate_size: int | None = None) -> tuple[int, int, in
         said.append(f"attention {heads} heads x {head_dim} ({kv_heads} KV heads), not the target's {own}")
     if intermediate_size is None and (is_mla(c) or width > MAX_MLP_WIDTH * H):
         small = MLA_MLP_WIDTH * H if is_mla(c) else MAX_MLP_WIDTH * H
-        said.append(f"an MLP {small:,} wide ({small // H}x hidden), not the target's {width:,}")
+        if small != width:
+            said.append(f"an MLP {small:,} wide ({small // H}x hidden), not the target's {width:,}")
         width = small
     if said:
         say_once(f"drafter layer for this {c.model_type} target: {' and '.join(said)}, as SpecForge and ModelOpt "
@@ -189,7 +190,8 @@ def rotary(positions: torch.Tensor, head_dim: int, theta: float, inv_freq: torch
     """cos, sin of shape [..., head_dim] for integer `positions` of any shape: plain RoPE at `theta`, or the
     given inverse frequencies and scale (linear, YaRN, Llama-3 scaling: rope_frequencies)."""
     if inv_freq is None:
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+        dims = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
+        inv_freq = 1.0 / theta ** (dims / head_dim)
     angles = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos() * scale, angles.sin() * scale

@@ -36,7 +36,7 @@ def test_a_deepseek_v3_drafter_is_small_and_says_so(tokenizer, make_drafter, cap
     out = capsys.readouterr().out
     said = [line for line in out.splitlines() if line.startswith("drafter layer")]
     assert said == ["drafter layer for this deepseek_v3 target: attention 4 heads x 16 (4 KV heads), not the "
-                    "target's MLA (4 heads, kv_lora_rank 16) and an MLP 128 wide (2x hidden), not the target's 128, "
+                    "target's MLA (4 heads, kv_lora_rank 16) and an MLP 128 wide (2x hidden), not the target's 192, "
                     "as SpecForge and ModelOpt shape DeepSeek-V3 drafters (drafter.intermediate_size sets the MLP)"]
     make_drafter(target)  # built again (the export's copy): said once
     assert "drafter layer" not in capsys.readouterr().out
@@ -58,7 +58,8 @@ def test_at_deepseek_v3_scale_the_drafter_layer_is_half_what_copying_mla_made():
 
 
 def test_an_explicit_mlp_width_is_kept():
-    assert layer_config(SimpleNamespace(config=transformers.DeepseekV3Config(), vocab_size=10), 4096).intermediate_size == 4096
+    lc = layer_config(SimpleNamespace(config=transformers.DeepseekV3Config(), vocab_size=10), 4096)
+    assert lc.intermediate_size == 4096
 
 
 def test_plain_targets_keep_their_shapes_and_say_nothing(target, capsys):
