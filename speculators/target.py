@@ -302,7 +302,7 @@ class FrozenTarget:
         if base is self.model:  # base_model_prefix names no attribute (Llama-4 text: "language_model", held as model)
             base = getattr(self.model, "model", base)
         base = getattr(base, "language_model", base)  # a multimodal checkpoint: its language model's norm
-        names = ("norm", "final_layernorm", "ln_f", "embedding_norm")  # LFM2 names its final norm embedding_norm
+        names = ("norm", "final_layernorm", "ln_f", "norm_f", "embedding_norm")  # Nemotron-H: norm_f; LFM2: embedding_norm
         norm = next((getattr(base, name) for name in names if hasattr(base, name)), None)
         if norm is None:
             raise UserError(f"target {self.name_or_path}: no final norm found ({', '.join(names)}) to finish "
