@@ -206,7 +206,7 @@ def train_steps(drafter, target: FrozenTarget, batch: torch.Tensor, steps: int) 
         loss.backward()
         optimizer.step()
         scheduler.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -314,4 +314,4 @@ def test_the_support_table_is_this_runs():
     support_table.write_results(results, path)
     shipped = support_table.read_table(REPO / "docs" / "support.md")
     assert support_table.stable(shipped) == support_table.stable(support_table.rows(results)), (
-        "docs/support.md differs from this run: regenerate it with python benchmarks/support_table.py")
+        "docs/support.md differs from this run: regenerate it with python -m benchmarks.support_table")
