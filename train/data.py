@@ -38,6 +38,7 @@ import gzip
 import itertools
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -66,6 +67,7 @@ from common.corpus import (
 )
 from inference.evalsets import utf8_text
 from speculators import gguf_file
+from train import token_cache
 
 LAYOUTS = ("text", "prompt_completion", "sharegpt", "messages")
 CHAT_FIELDS = {"sharegpt": ("conversations", "from", "value"), "messages": ("messages", "role", "content")}
@@ -562,7 +564,12 @@ class TextDataModule(L.LightningDataModule):
             total = sum(len(examples) for examples in self.files.values())
             raise UserError(f"the {split} split is empty: examples are split 90/5/5 by a hash of their content, and "
                             f"{total} are too few")
-        rows, mask, tally = tokenize_split(self.files[split], self.tokenizer, self.cfg)
+        examples, cfg = self.files[split], self.cfg
+        settings = {"layout": cfg.layout, "seq_len": cfg.seq_len, "overlong": cfg.overlong,
+                    "template": chat_template(cfg, self.tokenizer) if cfg.layout in CHAT_FIELDS else None}
+        rows, mask, counts = token_cache.cached(examples, self.tokenizer, settings,
+                                                lambda: tokenize_split(examples, self.tokenizer, cfg), sys.modules[__name__])
+        tally = Tally(**counts)
         announce(f"data {split}: {tally.line(self.cfg.seq_len)}; {len(rows)} rows of {self.cfg.seq_len} tokens, "
                  f"{mask.float().mean():.0%} of them trained")
         return rows, mask
