@@ -81,7 +81,7 @@ def test_wheel_holds_every_package_and_the_shipped_data_and_nothing_else_at_the_
     assert "common/conf/inference/eval/mtbench.yaml" in names  # conf/inference/eval is a link: copied as files
     assert {n.split("/")[0] for n in names} == set(CODE) | {next(n for n in names if ".dist-info/" in n).split("/")[0]}
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert all(f"forge-{cmd} = common.commands:{cmd}" in entry_points for cmd in ("train", "infer", "export"))
+    assert all(f"forge-{cmd} = train.commands:{cmd}" in entry_points for cmd in ("train", "infer", "export"))
 
 
 def test_installed_commands_run_from_any_folder_on_the_packed_conf(installed, tmp_path):
