@@ -1,6 +1,7 @@
-"""The gguf format: EAGLE-3 drafters as one GGUF file that llama.cpp serves beside its target:
+"""The gguf format: EAGLE-3 and DSpark drafters as one GGUF file that llama.cpp serves beside its target:
     llama-speculative-simple -m target.gguf -md draft.gguf --spec-type draft-eagle3 --spec-draft-n-max 4
-(llama-server takes the same flags). Written with gguf-py's GGUFWriter as llama.cpp's converter writes an
+(llama-server takes the same flags; a DSpark file: --spec-type draft-dspark, which llama.cpp also picks by
+itself from the markov_w1 tensor). Written with gguf-py's GGUFWriter as llama.cpp's converter writes an
 EAGLE-3 draft (conversion/llama.py in its source, `python convert_hf_to_gguf.py DRAFT --target-model-dir
 TARGET`), and shaped as its loader reads one (src/models/eagle3.cpp, src/llama-model.cpp load_hparams):
 
@@ -23,7 +24,11 @@ TARGET`), and shaped as its loader reads one (src/models/eagle3.cpp, src/llama-m
   copied as they are; from a Hugging Face target a byte-level BPE is written as the converter's gpt2
   vocabulary (no tokenizer.ggml.pre: the draft never tokenizes text; llama.cpp warns and uses its default).
 
-Validated before anything is written: an EAGLE-3 drafter (llama.cpp serves no other family), valid d2t/t2d,
+DSpark drafters (speculators/dspark.py) are written as llama.cpp's converter writes our speculators export
+(conversion/qwen.py DSparkModel, `convert_hf_to_gguf.py EXPORT --target-model-dir TARGET`) and served with
+`--spec-type draft-dspark` (src/models/dflash.cpp): see `save_dspark` below.
+
+Validated before anything is written: an EAGLE-3 or DSpark drafter (llama.cpp serves no other family here), valid d2t/t2d,
 exactly 3 target layers inside the target, the target's embedding shape, every tensor's shape as
 llama.cpp creates it. The export is one `*.gguf` file (what -md takes), written to a temporary sibling and
 renamed into place. Written, not read back: the tokenizer comes from the target the source records or
@@ -38,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGML_QUANT_VERSION, GGUFValueType, GGUFWriter, LlamaFileType, size_label
 from gguf.quants import dequantize
 
 from common.config import UserError
@@ -84,6 +89,8 @@ def save(drafter, out: Path, target_name: str, overwrite: bool = False) -> Path:
     out = Path(out)
     if out.suffix != ".gguf" or out.is_dir():
         raise UserError(f"{out}: a GGUF export is one file (what llama.cpp's -md takes); name it *.gguf")
+    if drafter.cfg.family == "dspark":
+        return save_dspark(drafter, out, target_name, overwrite)
     check_drafter(drafter)
     check_writable(out, overwrite)
     target = read_target(target_name, drafter.layer_ids)
@@ -92,10 +99,15 @@ def save(drafter, out: Path, target_name: str, overwrite: bool = False) -> Path:
                          or torch.equal(drafter.embed_tokens.weight.detach().float().cpu(), target.embedding))
     tensors = gguf_tensors(drafter, write_embedding=own_embedding)
     check_shapes(drafter, tensors)
+    write_atomically(out, lambda path: write(path, drafter, tensors, target.tokenizer))
+    return out
+
+
+def write_atomically(out: Path, write_to) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     try:
-        write(partial, drafter, tensors, target.tokenizer)
+        write_to(partial)
         sync_file(partial)
         os.replace(partial, out)
     except OSError as error:  # a full disk, a read-only folder
@@ -103,12 +115,12 @@ def save(drafter, out: Path, target_name: str, overwrite: bool = False) -> Path:
     finally:
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
-    return out
 
 
 def check_drafter(drafter) -> None:
     if drafter.cfg.family != "eagle3":
-        raise UserError(f"llama.cpp serves EAGLE-3 drafters only (--spec-type draft-eagle3), not {drafter.cfg.family}")
+        raise UserError(f"llama.cpp serves EAGLE-3 drafters only (--spec-type draft-eagle3) and DSpark ones "
+                        f"(draft-dspark), not {drafter.cfg.family}")
     if len(drafter.layer_ids) != 3:
         raise UserError(f"llama.cpp's EAGLE-3 reads exactly 3 target layers; this drafter reads {drafter.layer_ids}")
     if drafter.eagle31_flags:
@@ -262,5 +274,124 @@ def write(path: Path, drafter, tensors: dict[str, np.ndarray], tokenizer: list) 
     writer.close()
 
 
-register_format(Format("gguf", None, None, None, save=lambda drafter, out, verifier, overwrite: save(
-    drafter, out, verifier.name_or_path, overwrite)))
+# --- DSpark: llama.cpp's "dflash" architecture with the Markov and confidence heads ----------------------------
+
+DSPARK_ARCH = "dflash"
+# Ours -> llama.cpp's, per draft layer (gguf-py's tensor_mapping for DFlash: Qwen3 layers, no permutation,
+# since our rotary is NeoX's, llama.cpp's rope for this architecture).
+DSPARK_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+DSPARK_NAMES = {
+    "embed_tokens.weight": EMBEDDING,  # the target's rows with the learned mask row folded in
+    "fc.weight": "fc.weight",
+    "hidden_norm.weight": "enc.output_norm.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",  # only for a reduced draft vocabulary, as the converter
+    "markov_head.markov_w1.weight": "markov_w1.weight",
+    "markov_head.markov_w2.weight": "markov_w2.weight",
+    "confidence_head.proj.weight": "conf_proj.weight",
+    "confidence_head.proj.bias": "conf_proj.bias",
+}
+
+
+def save_dspark(drafter, out: Path, target_name: str, overwrite: bool) -> Path:
+    """A DSpark drafter as the GGUF llama.cpp's converter writes from our speculators export of it:
+    general.architecture "dflash"; under `dflash.` the draft layers' Qwen3 hyperparameters (block_count,
+    context_length, embedding_length, feed_forward_length, attention.head_count / head_count_kv / key_length /
+    value_length / layer_norm_rms_epsilon, rope.freq_base), block_size, target_layers (our layer ids as they
+    are: llama.cpp extracts the input of layer k, HF hidden_states[k]), sample_from_anchor (true: every slot
+    drafts) and has_confidence_head; tokenizer.ggml.mask_token_id and the target's tokenizer. Tensors: the
+    draft layers (blk.N.*), fc, enc.output_norm (our hidden_norm), output_norm, token_embd (its mask row
+    learned: always written, llama.cpp would otherwise embed with the target's untrained row), output (the
+    draft-vocabulary lm_head; left out, as by the converter, only when it is token_embd itself), d2t (I64
+    absolute target ids, [N]), markov_w1 [V, r], markov_w2 [r -> N],
+    conf_proj [H + r -> 1] with its bias. Matrices F16, vectors F32 (the converter's --outtype f16).
+    llama.cpp's Markov head is the vanilla one and its confidence head reads [hidden, W1[previous token]]:
+    other heads are refused in one line."""
+    check_dspark(drafter)
+    check_writable(out, overwrite)
+    target = read_target(target_name, drafter.layer_ids)
+    check_layer_ids(drafter.layer_ids, target.num_layers)
+    if tuple(target.embedding.shape) != tuple(drafter.embed_tokens.weight.shape):
+        raise UserError(f"the target's embedding is {tuple(target.embedding.shape)} but the drafter was trained "
+                        f"for {tuple(drafter.embed_tokens.weight.shape)}: another target?")
+    tensors = dspark_tensors(drafter)
+    write_atomically(out, lambda path: write_dspark(path, drafter, tensors, target.tokenizer))
+    return out
+
+
+def check_dspark(drafter) -> None:
+    cfg = drafter.cfg
+    if cfg.markov_head_type != "vanilla":
+        raise UserError(f"llama.cpp's draft-dspark has the vanilla Markov head only, not {cfg.markov_head_type!r}; "
+                        f"export this drafter in the speculators format (vLLM)")
+    if not cfg.confidence_with_markov:
+        raise UserError("llama.cpp's DSpark confidence head reads [hidden, W1[previous token]]; this drafter's reads "
+                        "the hidden state only: export it in the speculators format")
+    draft_vocab.check(drafter.d2t, drafter.t2d, len(drafter.t2d), cfg.draft_vocab_size)
+
+
+def dspark_tensors(drafter) -> dict[str, np.ndarray]:
+    """llama.cpp name -> array in PyTorch's [out, in] order (the mask embedding folded into token_embd)."""
+    state = {name: t.detach().float().cpu() for name, t in drafter.state_dict().items()}
+    names = dict(DSPARK_NAMES)
+    if drafter.cfg.draft_vocab_size == len(drafter.t2d) and torch.equal(state["lm_head.weight"],
+                                                                        state["embed_tokens.weight"]):
+        # The converter drops a full-vocabulary lm_head and llama.cpp then projects with token_embd; it is
+        # kept here when it differs (an untied target), else those drafts would come from the wrong matrix.
+        del names["lm_head.weight"]
+    names |= {f"layers.{i}.{ours}": f"blk.{i}.{theirs}"
+              for i in range(len(drafter.layers)) for ours, theirs in DSPARK_LAYER_NAMES.items()}
+    tensors = {theirs: stored(state[ours]) for ours, theirs in names.items()}
+    tensors["d2t"] = draft_vocab.target_ids(drafter.d2t).cpu().numpy().astype(np.int64)  # as the converter: always
+    return tensors
+
+
+def write_dspark(path: Path, drafter, tensors: dict[str, np.ndarray], tokenizer: list) -> None:
+    c = drafter.layer_cfg
+    writer = GGUFWriter(path, DSPARK_ARCH)
+    writer.add_type("model")
+    writer.add_name(Path(path).name.removesuffix(".partial").removesuffix(".gguf"))
+    weights = sum(t.numel() for t in drafter.state_dict().values())  # the converter counts the export's tensors
+    writer.add_size_label(size_label(weights, 0, 0, 0))
+    writer.add_block_count(len(drafter.layers))
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(rope_theta(c))
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_file_type(LlamaFileType.MOSTLY_F16)
+    writer.add_uint32(f"{DSPARK_ARCH}.block_size", drafter.cfg.block_size)
+    writer.add_key_value(f"{DSPARK_ARCH}.target_layers", list(drafter.layer_ids), GGUFValueType.ARRAY,
+                         GGUFValueType.INT32)
+    writer.add_bool(f"{DSPARK_ARCH}.sample_from_anchor", True)
+    writer.add_bool(f"{DSPARK_ARCH}.has_confidence_head", True)
+    writer.add_quantization_version(GGML_QUANT_VERSION)
+    writer.add_uint32("tokenizer.ggml.mask_token_id", drafter.cfg.mask_token_id)
+    for key, value, kind, sub_type in tokenizer:
+        writer.add_key_value(key, value, kind, sub_type)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+register_format(Format("gguf", None, None, None, families=("dspark",), save=lambda drafter, out, verifier, overwrite:
+                       save(drafter, out, verifier.name_or_path, overwrite)))
