@@ -54,6 +54,9 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, config), run_dir, callbacks)
     fit(trainer, module, datamodule, recipe.resume)
 
+    if trainer.is_global_zero:
+        announce(f"validating on {len(datamodule.val_rows)} held-out rows (accuracy per draft step), then the "
+                 f"closing report")
     offline = trainer.validate(module, datamodule, verbose=False)[0]  # under DDP every process takes part
     drafter = plain_copy(module.drafter, lambda: drafter_class.from_target(drafter_cfg, target, counts))
     if not trainer.is_global_zero:

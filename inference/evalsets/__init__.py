@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from common.config import UserError, at_least, one_of, require
+from common.progress import bar
 from inference.engine import generate
 
 BUILT_IN = ("stdlib", "mtbench", "sharegpt", "file")
@@ -163,15 +164,19 @@ def prompts_of(chats: list[list[str]], template: str | None, target, max_new_tok
         raise UserError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the target's context of "
                         f"{target.config.max_position_embeddings} positions")
     answers, out = [[] for _ in chats], []
-    for turn in range(max(map(len, chats))):
-        for c, turns in enumerate(chats):
-            if turn >= len(turns):
-                continue
-            ids = render(target.tokenizer, turns[: turn + 1], answers[c], template)[-room:]
-            out.append(Prompt(ids, turn + 1, turns[turn]))
-            if turn + 1 < len(turns):
-                tokens = generate(target, None, ids, max_new_tokens, k=0).tokens
-                answers[c].append(target.tokenizer.decode(tokens, skip_special_tokens=True))
+    earlier_turns = sum(len(turns) - 1 for turns in chats)
+    with bar(total=earlier_turns, unit="answer", desc="the target's answers to earlier turns",
+             disable=earlier_turns == 0) as shown:
+        for turn in range(max(map(len, chats))):
+            for c, turns in enumerate(chats):
+                if turn >= len(turns):
+                    continue
+                ids = render(target.tokenizer, turns[: turn + 1], answers[c], template)[-room:]
+                out.append(Prompt(ids, turn + 1, turns[turn]))
+                if turn + 1 < len(turns):
+                    tokens = generate(target, None, ids, max_new_tokens, k=0).tokens
+                    answers[c].append(target.tokenizer.decode(tokens, skip_special_tokens=True))
+                    shown.update()
     return out
 
 
