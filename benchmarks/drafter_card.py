@@ -218,8 +218,8 @@ def usage(card: dict) -> list[str]:
     overrides, setting, speedup = fastest_setting(card["speed"]["packed"], card["lookup"])
     return ["## Use it", "",
             f"    python -m inference drafter={drafter} quant={quant} eval=mtbench {overrides}",
-            f"    python -m speculators.export {drafter} OUT --format eagle3 --dtype bfloat16  # SGLang, EAGLE-3",
-            f"    python -m speculators.export {drafter} draft.gguf --format gguf  # llama.cpp: -md draft.gguf "
+            f"    python -m speculators.export source={drafter} out=OUT format=eagle3 dtype=bfloat16  # SGLang, EAGLE-3",
+            f"    python -m speculators.export source={drafter} out=draft.gguf format=gguf  # llama.cpp: -md draft.gguf "
             "--spec-type draft-eagle3",
             "",
             "The folder itself is in the vLLM speculators format (`config.json`, `model.safetensors`; the embeddings "

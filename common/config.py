@@ -54,6 +54,7 @@ class UserError(Exception):
 # What to pass for a mandatory (`???`) key, by its full name or its last part.
 REQUIRED_VALUES = {
     "drafter": "an export folder",
+    "source": "an export folder",
     "out": "an output folder",
     "target": "a conf/target name, a Hugging Face folder or hub id, or a .gguf",
     "eval.path": "a prompts file",
@@ -260,7 +261,8 @@ def run_cli(hydra_main: Callable[[], None]) -> None:
     """
     from hydra.errors import HydraException
 
-    want_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    saved = {name: os.environ.get(name) for name in ("HYDRA_FULL_ERROR", "SPECULATORS_TRACEBACK")}
+    want_traceback = saved["HYDRA_FULL_ERROR"] == "1"
     os.environ["SPECULATORS_TRACEBACK"] = "1" if want_traceback else "0"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra's errors reach us instead of its printer
     try:
@@ -270,6 +272,12 @@ def run_cli(hydra_main: Callable[[], None]) -> None:
         if want_traceback:
             raise
         sys.exit(f"error: {_user_message(e)}")
+    finally:  # a command run in-process (a test, a caller) leaves the environment as it found it
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _user_message(e: BaseException) -> str:

@@ -10,22 +10,25 @@ original DFlash layout), medusa, gguf (llama.cpp, written only) and trtllm (Tens
 is a module on the Python path named on first use (docs/new_export_format.md).
 
 Any export converts to another format that can hold the drafter:
-    python -m speculators.export SRC OUT --format eagle3
+    python -m speculators.export source=<export dir> out=<out> format=eagle3
 
 An EAGLE-3 export in a format that shares the target's embeddings (speculators, eagle3, trtllm) may leave out
-embed_tokens (--shared-embedding): it is the target's own, frozen, and vLLM and SGLang share the target's when
-a drafter has none; this project's loaders take it from the target (`share_target_embedding`). With --dtype
-bfloat16 an export is stored at half the size. Both make a drafter small enough to ship
-(models/smollm2-eagle3: 20 MB instead of 152 MB). A conversion keeps both: the source's dtype (unless --dtype)
+embed_tokens (shared_embedding=true): it is the target's own, frozen, and vLLM and SGLang share the target's when
+a drafter has none; this project's loaders take it from the target (`share_target_embedding`). With
+dtype=bfloat16 an export is stored at half the size. Both make a drafter small enough to ship
+(models/smollm2-eagle3: 20 MB instead of 152 MB). A conversion keeps both: the source's dtype (unless dtype=)
 and embeddings left out stay out. config.json records the stored dtype (torch_dtype, and `dtype` where a
 Llama config has it). A write the disk refuses (full, read-only) ends in one line naming the path and leaves
 nothing behind.
 """
 
 import json
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import MISSING
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -240,32 +243,39 @@ def convert(source: Path, out: Path, fmt: str, target: str | None = None, overwr
     """The export `source` rewritten in format `fmt`: in the source's dtype unless `dtype`, without the
     embeddings it left to the target."""
     export_format(fmt)  # an unknown name refused, a format of your own imported
-    check_writable(Path(out), overwrite, hint="--overwrite")  # before the source loads
+    check_writable(Path(out), overwrite)  # before the source loads
     drafter, verifier = load(source)
     if not (target or verifier):
-        raise UserError(f"{source} does not name its target; pass --target")
+        raise UserError(f"{source} does not name its target; pass target=<its name_or_path>")
     return save(drafter, out, Verifier.named(target or verifier), overwrite, training_record(source), fmt,
                 dtype or drafter.stored_dtype, shared_embedding)
 
 
+@dataclass
+class ExportConfig:
+    """conf/speculators/export.yaml: `python -m speculators.export source=<export dir> out=<out> [format=<format>]`."""
+
+    source: str = MISSING  # an export folder
+    out: str = MISSING  # a folder, or one file for format=gguf
+    format: str = "speculators"  # a name of FORMATS, or the module name of a format of your own
+    target: str | None = None  # the target's name_or_path, if the source format does not record it
+    dtype: str | None = None  # e.g. bfloat16; None: the source's
+    shared_embedding: bool = False  # leave out an EAGLE-3 drafter's embeddings
+    overwrite: bool = False
+
+
+def run(cfg: ExportConfig) -> None:
+    print(convert(Path(cfg.source), Path(cfg.out), cfg.format, cfg.target, cfg.overwrite, cfg.dtype,
+                  cfg.shared_embedding))
+
+
 def main(argv: list[str] | None = None) -> None:
-    from common.config import OneLineArgumentParser, exit_on_user_error
+    """The command; `argv` (tests) stands for the command line's overrides."""
+    from common.config import run_command
 
-    parser = OneLineArgumentParser(prog="python -m speculators.export",
-                                   description="Convert a drafter export to another serving format.")
-    parser.add_argument("source", type=Path)
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--format", required=True,
-                        help=f"{', '.join(FORMATS)}, or the module name of a format of your own")
-    parser.add_argument("--target", help="the target's name_or_path, if the source format does not record it")
-    parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--dtype", help="store floating-point weights in this dtype, e.g. bfloat16 (default: the source's)")
-    parser.add_argument("--shared-embedding", action="store_true",
-                        help="leave out an EAGLE-3 drafter's embeddings (the target's own; engines share them)")
-    args = parser.parse_args(argv)
-
-    exit_on_user_error(lambda: print(convert(args.source, args.out, args.format, args.target, args.overwrite,
-                                             args.dtype, args.shared_embedding)))()
+    if argv is not None:
+        sys.argv[1:] = argv
+    run_command("export", ExportConfig, run, config_dir="conf/speculators")
 
 
 if __name__ == "__main__":

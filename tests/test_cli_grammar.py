@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-USER_FOLDERS = ("inference", "train", "benchmarks")  # results/ holds lab scripts, not commands
+USER_FOLDERS = ("inference", "train", "benchmarks", "speculators", "kernels")  # results/ holds lab scripts, not commands
 
 # command: (a misspelt override, the key it meant, the mandatory key a bare command lacks, or None).
 COMMANDS = {
@@ -34,6 +34,7 @@ COMMANDS = {
     "benchmarks.planning": ("max_new_tokenz=3", "max_new_tokens", None),
     "benchmarks.quant_report": ("group_sizee=32", "group_size", "drafter"),
     "benchmarks.regen_engines": ("max_new_tokenz=3", "max_new_tokens", None),
+    "speculators.export": ("formatt=gguf", "format", "source"),
 }
 # A mandatory key only some choices bring: conf/eval/file.yaml's path.
 CHOICE_MISSING = {"train.py": (["eval=file"], "eval.path"), "train.hidden_cache": (["eval=file"], "eval.path")}

@@ -255,16 +255,16 @@ def test_convert_command_between_formats(llama_dir, llama_target, make_drafter, 
                          training={"steps": 7})
 
     def convert(*args):
-        return subprocess.run([sys.executable, "-m", "speculators.export", *map(str, args)], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "speculators.export", *args], capture_output=True,
                               text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
 
-    to_sglang = convert(source, tmp_path / "sglang", "--format", "eagle3")
+    to_sglang = convert(f"source={source}", f"out={tmp_path / 'sglang'}", "format=eagle3")
     assert to_sglang.returncode == 0, to_sglang.stderr
-    back = convert(tmp_path / "sglang", tmp_path / "back", "--format", "speculators")
-    assert back.returncode != 0 and "--target" in back.stderr.splitlines()[-1]  # eagle3 does not name the target
-    back = convert(tmp_path / "sglang", tmp_path / "back", "--format", "speculators", "--target", llama_dir)
+    back = convert(f"source={tmp_path / 'sglang'}", f"out={tmp_path / 'back'}", "format=speculators")
+    assert back.returncode != 0 and "target=" in back.stderr.splitlines()[-1]  # eagle3 does not name the target
+    back = convert(f"source={tmp_path / 'sglang'}", f"out={tmp_path / 'back'}", f"target={llama_dir}")
     assert back.returncode == 0, back.stderr
     assert file_bytes(tmp_path / "back")["model.safetensors"] == file_bytes(source)["model.safetensors"]
     assert json.loads((tmp_path / "back" / "training.json").read_text()) == {"steps": 7}
-    again = convert(source, tmp_path / "sglang", "--format", "eagle3")
+    again = convert(f"source={source}", f"out={tmp_path / 'sglang'}", "format=eagle3")
     assert again.returncode != 0 and "overwrite" in again.stderr

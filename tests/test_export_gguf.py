@@ -190,7 +190,7 @@ def test_gguf_target_tokenizer_copied_and_its_embedding_shared(gguf_target, make
 
 def test_command_line_conversion(llama_target, make_drafter, tmp_path):
     source = export.save(make_drafter(llama_target), tmp_path / "spec", Verifier.of(llama_target))
-    export.main([str(source), str(tmp_path / "out" / "draft.gguf"), "--format", "gguf"])
+    export.main([f"source={source}", f"out={tmp_path / 'out' / 'draft.gguf'}", "format=gguf"])
     assert gguf.GGUFReader(tmp_path / "out" / "draft.gguf").fields["general.architecture"].contents() == "eagle3"
 
 
@@ -202,7 +202,7 @@ def test_refuses_what_llamacpp_cannot_serve(llama_target, llama_dir, make_drafte
     out = tmp_path / "d.gguf"
     medusa = MedusaDrafter(MedusaConfig(depth=2), llama_target.hidden_size, llama_target.vocab_size)
     for drafter in (medusa, make_peagle(llama_target, text_batch)):
-        with pytest.raises(UserError, match="the gguf format holds eagle3 drafters, not"):
+        with pytest.raises(UserError, match="the gguf format holds eagle3, dspark drafters, not"):
             export.save(drafter, out, Verifier(str(llama_dir), []), fmt="gguf")
         with pytest.raises(UserError, match="llama.cpp serves EAGLE-3 drafters only"):
             export_gguf.save(drafter, out, str(llama_dir))

@@ -168,15 +168,15 @@ def test_overwrite_onto_a_file_replaces_it_and_leaves_nothing_beside(drafter, ll
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
 
 
-def test_the_export_command_names_its_own_overwrite_flag(drafter, llama_target, tmp_path):
+def test_the_export_command_names_its_own_overwrite_key(drafter, llama_target, tmp_path):
     source = export.save(drafter, tmp_path / "spec", Verifier.of(llama_target))
     (tmp_path / "taken").mkdir()
-    with pytest.raises(SystemExit, match=f"^error: {tmp_path / 'taken'} already exists; pass --overwrite to "
+    with pytest.raises(SystemExit, match=f"^error: {tmp_path / 'taken'} already exists; pass overwrite=true to "
                                          f"replace it$"):
-        export.main([str(source), str(tmp_path / "taken"), "--format", "eagle3"])
+        export.main([f"source={source}", f"out={tmp_path / 'taken'}", "format=eagle3"])
     place = unwritable_places(tmp_path)[0]
     with pytest.raises(SystemExit, match=f"^error: {place.parent}: cannot write there"):
-        export.main([str(source), str(place), "--format", "eagle3"])
+        export.main([f"source={source}", f"out={place}", "format=eagle3"])
 
 
 def test_a_full_disk_during_a_gguf_export_keeps_the_previous_file(llama_target, make_drafter, tmp_path, monkeypatch):

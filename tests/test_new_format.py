@@ -1,5 +1,5 @@
-"""A new export format is one file: tests/toy_format/toyfmt.py. `python -m speculators.export SRC OUT --format
-toyfmt` imports it by its name from the Python path and writes it; read back, the drafter holds the same weights
+"""A new export format is one file: tests/toy_format/toyfmt.py. `python -m speculators.export source=SRC out=OUT
+format=toyfmt` imports it by its name from the Python path and writes it; read back, the drafter holds the same weights
 and serves exactly what the target decodes alone. No file of the library names the format."""
 
 import json
@@ -46,7 +46,7 @@ def test_a_new_format_is_written_by_the_command_and_read_back(llama_target, make
     source = export.save(drafter, tmp_path / "spec", Verifier.of(llama_target))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TOY), str(REPO)])}
     out = tmp_path / "toy"
-    result = subprocess.run([sys.executable, "-m", "speculators.export", str(source), str(out), "--format", "toyfmt"],
+    result = subprocess.run([sys.executable, "-m", "speculators.export", f"source={source}", f"out={out}", "format=toyfmt"],
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((out / "config.json").read_text())["toyfmt"] == 1

@@ -1,6 +1,6 @@
 """Export formats by name: one file each in this folder (speculators/formats/<name>.py), registered by
 `register_format(Format(...))` when it is imported. A format's name is also its module: an unknown name
-(`--format myfmt`, a family's `export_formats`) imports speculators/formats/<name>.py, or a module `<name>` of
+(`format=myfmt`, a family's `export_formats`) imports speculators/formats/<name>.py, or a module `<name>` of
 your own on the Python path, the first time it is asked for. speculators/export.py does what every format
 shares (validation, atomic writes, reading back); docs/new_export_format.md says how to add one."""
 

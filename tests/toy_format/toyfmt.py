@@ -1,6 +1,6 @@
 """An export format written the way a user adds one: this file, nothing else (tests/test_new_format.py writes
-it with `python -m speculators.export SRC OUT --format toyfmt` and reads it back). `register_format` at import
-registers the format `toyfmt`; its module has the same name, so `--format toyfmt` finds it on the Python path.
+it with `python -m speculators.export source=SRC out=OUT format=toyfmt` and reads it back). `register_format` at
+import registers the format `toyfmt`; its module has the same name, so `format=toyfmt` finds it on the Python path.
 
 The layout: EAGLE-3 drafters, config.json {"toyfmt": 1, "speculators": <the speculators format's config>} and
 the weights under `draft.<name>` in toy.safetensors; embed_tokens may be left to the target.
