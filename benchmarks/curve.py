@@ -1,7 +1,7 @@
 """Tau against training tokens: the acceptance reports of runs (or checkpoints) of one recipe, on a plot.
 
-    python -m benchmarks.curve RUN_DIR [RUN_DIR ...] --out results/smollm2/data_curve
-    python -m benchmarks.curve results/smollm2/data_curve.json NEW_RUN_DIR --out results/smollm2/data_curve
+    python -m benchmarks.curve runs=[RUN_DIR,RUN_DIR] out=results/smollm2/data_curve
+    python -m benchmarks.curve runs=[results/smollm2/data_curve.json,NEW_RUN_DIR] out=results/smollm2/data_curve
 
 Each RUN_DIR holds what `python train.py` writes: export/training.json (tokens seen) and
 acceptance/report.json (the closing report, inference/report.py). A checkpoint becomes such a
@@ -11,12 +11,24 @@ argument is an earlier curve's points, kept as they are (their run directories m
 a run measured twice keeps its newest point). Writes <out>.json (the points) and <out>.png.
 """
 
-import argparse
 import json
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import MISSING
+
 from common import plots
-from common.config import UserError, exit_on_user_error
+from common.config import UserError, run_command
+
+
+@dataclass
+class CurveConfig:
+    """conf/benchmarks/curve.yaml."""
+
+    runs: list[str] = MISSING  # run directories and earlier curves' .json
+    out: str = MISSING  # path without suffix: <out>.json and <out>.png
+    title: str = "tau against training tokens"
 
 
 def point(run_dir: Path) -> dict:
@@ -35,7 +47,7 @@ def point(run_dir: Path) -> dict:
 
 def earlier_points(curve_json: Path) -> list[dict]:
     if not curve_json.is_file():
-        raise UserError(f"{curve_json}: no such file (an earlier curve's points, as --out wrote them)")
+        raise UserError(f"{curve_json}: no such file (an earlier curve's points, as out= wrote them)")
     return json.loads(curve_json.read_text())
 
 
@@ -53,24 +65,26 @@ def plot(points: list[dict], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
 
 
-@exit_on_user_error
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.curve", description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", type=Path)
-    parser.add_argument("--out", type=Path, required=True, help="path without suffix: <out>.json and <out>.png")
-    parser.add_argument("--title", default="tau against training tokens")
-    args = parser.parse_args(argv)
+def curve(cfg: CurveConfig) -> None:
+    out = Path(cfg.out)
     by_run = {}
-    for source in args.runs:
+    for source in map(Path, cfg.runs):
         for p in earlier_points(source) if source.suffix == ".json" else [point(source)]:
             by_run[p["run"]] = p
     points = sorted(by_run.values(), key=lambda p: p["tokens_seen"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(points, indent=2))
-    plot(points, args.out.with_suffix(".png"), args.title)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(points, indent=2))
+    plot(points, out.with_suffix(".png"), cfg.title)
     for p in points:
         print(f"{p['steps']:>6} steps {p['tokens_seen']:>12,} tokens  tau {p['acceptance_length']:.3f}")
-    print(f"curve: {args.out.with_suffix('.json')}, {args.out.with_suffix('.png')}")
+    print(f"curve: {out.with_suffix('.json')}, {out.with_suffix('.png')}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command; `argv` (tests) stands for the command line's overrides."""
+    if argv is not None:
+        sys.argv[1:] = argv
+    run_command("curve", CurveConfig, curve, config_dir="conf/benchmarks")
 
 
 if __name__ == "__main__":

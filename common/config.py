@@ -55,6 +55,7 @@ class UserError(Exception):
 REQUIRED_VALUES = {
     "drafter": "an export folder",
     "source": "an export folder",
+    "runs": "[run directories]",
     "out": "an output folder",
     "target": "a conf/target name, a Hugging Face folder or hub id, or a .gguf",
     "eval.path": "a prompts file",

@@ -23,6 +23,7 @@ COMMANDS = {
     "benchmarks.batch_sweep": ("repeatz=2", "repeats", None),
     "benchmarks.bench": ("max_new_tokenz=3", "max_new_tokens", "drafter"),
     "benchmarks.chat_target_card": ("conversationz=3", "conversations", "out"),
+    "benchmarks.curve": ("titel=x", "title", "runs"),
     "benchmarks.compare": ("max_new_tokenz=3", "max_new_tokens", None),
     "benchmarks.device_check": ("stepz=3", "steps", None),
     "benchmarks.drafter_card": ("num_promptz=3", "num_prompts", "drafter"),
