@@ -1,6 +1,6 @@
 """Measure a pretrained target on held-out standard-library files and write its model card.
 
-    python -m benchmarks.target_card <model dir> [--max-test-tokens N] [--samples K]
+    python -m benchmarks.target_card model_dir=<model dir> [max_test_tokens=N] [samples=K]
 
 Reads the folder `train.pretrain` saved (weights, tokenizer, training.json), rebuilds the
 corpus it was trained on, measures the loss on the TEST split (files no model ever trains
@@ -8,15 +8,17 @@ on), samples a few continuations, and writes <dir>/README.md and <dir>/heldout.j
 number in the card is read from those files or measured here; nothing is typed in by hand.
 """
 
-import argparse
 import json
 import math
 import platform
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import UserError
+from omegaconf import MISSING
+
+from common.config import UserError, at_least, run_command
 
 PROMPT_LINES = 6  # a file's first lines: its imports or docstring, enough to set the scene
 NEW_TOKENS = 120
@@ -28,25 +30,13 @@ REQUIRED_FACTS = ("corpus.include_tests", "corpus.content_hash", "corpus.files",
                   "corpus.tokens", "seq_len", "tokens_seen", "wall_time_s")
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.target_card", description=__doc__.split("\n\n")[0])
-    parser.add_argument("model_dir", type=Path, help="a folder written by train.pretrain (save_pretrained + training.json)")
-    parser.add_argument("--max-test-tokens", type=positive_int, default=None,
-                        help="evaluate at most this many test tokens, in whole sequences (default: the whole test split)")
-    parser.add_argument("--samples", type=non_negative_int, default=3, help="held-out files to continue (default: 3)")
-    return parser.parse_args(argv)
+@dataclass
+class TargetCardConfig:
+    """conf/benchmarks/target_card.yaml."""
 
-
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return int(text)
-
-
-def non_negative_int(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
-    return int(text)
+    model_dir: str = MISSING  # a folder written by train.pretrain
+    max_test_tokens: int | None = None  # None: the whole test split
+    samples: int = 3  # held-out files to continue
 
 
 def read_training_facts(model_dir: Path) -> dict:
@@ -322,17 +312,15 @@ def render_card(model_dir: Path, model, facts: dict, heldout: dict, samples: lis
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    try:
-        facts = read_training_facts(args.model_dir)
-        model, tokenizer = load_model_and_tokenizer(args.model_dir)
-        files, content_hash, warning = rebuild_corpus(facts)
-        heldout = measure_heldout(model, tokenizer, files["test"], facts["seq_len"], args.max_test_tokens)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def card(args: TargetCardConfig, argv: list[str]) -> None:
+    if args.max_test_tokens is not None:
+        at_least(1, max_test_tokens=args.max_test_tokens)
+    at_least(0, samples=args.samples)
+    args.model_dir = Path(args.model_dir)
+    facts = read_training_facts(args.model_dir)
+    model, tokenizer = load_model_and_tokenizer(args.model_dir)
+    files, content_hash, warning = rebuild_corpus(facts)
+    heldout = measure_heldout(model, tokenizer, files["test"], facts["seq_len"], args.max_test_tokens)
     heldout.update(content_hash=content_hash, content_hash_trained=facts["corpus"]["content_hash"],
                    python=platform.python_version(),
                    command=shlex.join(["python", "-m", "benchmarks.target_card", *argv]))
@@ -344,8 +332,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"held-out bits/byte: {heldout['bits_per_byte']:.4f}")
     print(f"held-out tokens evaluated: {heldout['tokens_evaluated']:,}" + ("" if heldout["whole_test_split"] else " (capped)"))
     print(f"card written to {args.model_dir / 'README.md'}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command; `argv` (tests) stands for the command line's overrides. Errors end in one line (exit 1)."""
+    if argv is not None:
+        sys.argv[1:] = argv
+    overrides = sys.argv[1:]  # as typed, for heldout.json's `command`
+    run_command("target_card", TargetCardConfig, lambda cfg: card(cfg, overrides), config_dir="conf/benchmarks")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

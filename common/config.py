@@ -56,6 +56,7 @@ REQUIRED_VALUES = {
     "drafter": "an export folder",
     "source": "an export folder",
     "runs": "[run directories]",
+    "model_dir": "a folder train.pretrain saved",
     "out": "an output folder",
     "target": "a conf/target name, a Hugging Face folder or hub id, or a .gguf",
     "eval.path": "a prompts file",

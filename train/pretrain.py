@@ -218,4 +218,4 @@ def run_pretrain(recipe: PretrainRecipe, run_dir: Path) -> None:
                             "next_token_steps": steps - unlikelihood_steps}} if unlikelihood_steps else {}
     save_target(module, tokenizer, files, run_dir / "model", tokens_seen, wall_time(trainer), recipe.data,
                 earlier_training(recipe.init_from), how)
-    print(f"target saved to {run_dir / 'model'}; measure it with: python -m benchmarks.target_card {run_dir / 'model'}")
+    print(f"target saved to {run_dir / 'model'}; measure it with: python -m benchmarks.target_card model_dir={run_dir / 'model'}")
