@@ -1,18 +1,20 @@
 """The support table (docs/support.md) from the architecture matrix's results (tests/test_architectures.py).
 
-    python -m benchmarks.support_table                      # runs the matrix (pytest), writes docs/support.json, .md
-    python -m benchmarks.support_table --from results.json  # renders docs/support.md from a JSON the test wrote
+    python -m benchmarks.support_table                       # runs the matrix (pytest), writes docs/support.json, .md
+    python -m benchmarks.support_table source=results.json   # renders docs/support.md from a JSON the test wrote
 
 The test writes one record per family to SUPPORT_MATRIX_JSON; its last test fails when docs/support.md is not the
 table those records make, so the table shipped is the one the matrix proves.
 """
 
-import argparse
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+from common.config import run_command
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -99,13 +101,18 @@ def stable(table: list[list[str]]) -> list[list[str]]:
     return [cells[:STABLE] + cells[-1:] for cells in table]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--from", dest="source", type=Path, help="a results JSON the matrix test wrote")
-    parser.add_argument("--out", type=Path, default=DOCS, help="where support.json and support.md go")
-    args = parser.parse_args(argv)
-    source = args.source or args.out / "support.json"
-    if args.source is None:  # run the matrix; its last test fails on a stale table, which this run replaces
+@dataclass
+class SupportTableConfig:
+    """conf/benchmarks/support_table.yaml."""
+
+    source: str | None = None  # a results JSON the matrix test wrote; None: run the matrix
+    out: str | None = None  # where support.json and support.md go; None: docs/
+
+
+def table(cfg: SupportTableConfig) -> None:
+    out = Path(cfg.out) if cfg.out else DOCS
+    source = Path(cfg.source) if cfg.source else out / "support.json"
+    if cfg.source is None:  # run the matrix; its last test fails on a stale table, which this run replaces
         env = {**os.environ, "SUPPORT_MATRIX_JSON": str(source), "SUPPORT_MATRIX_SUBPROCESS": "0",
                "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_architectures.py"],
@@ -113,11 +120,18 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     results = json.loads(source.read_text())
-    if source != args.out / "support.json":
-        write_results(results, args.out / "support.json")
-    (args.out / "support.md").write_text(markdown(results, transformers.__version__))
+    if source != out / "support.json":
+        write_results(results, out / "support.json")
+    (out / "support.md").write_text(markdown(results, transformers.__version__))
     print(short_table(results))
-    print(f"results: {args.out / 'support.json'}, {args.out / 'support.md'}")
+    print(f"results: {out / 'support.json'}, {out / 'support.md'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command; `argv` (tests) stands for the command line's overrides."""
+    if argv is not None:
+        sys.argv[1:] = argv
+    run_command("support_table", SupportTableConfig, table, config_dir="conf/benchmarks")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ COMMANDS = {
     "benchmarks.peer": ("stepz=3", "steps", None),
     "benchmarks.planning": ("max_new_tokenz=3", "max_new_tokens", None),
     "benchmarks.quant_report": ("group_sizee=32", "group_size", "drafter"),
+    "benchmarks.support_table": ("sourc=x.json", "source", None),
     "benchmarks.target_card": ("sampels=2", "samples", "model_dir"),
     "benchmarks.regen_engines": ("max_new_tokenz=3", "max_new_tokens", None),
     "speculators.export": ("formatt=gguf", "format", "source"),
