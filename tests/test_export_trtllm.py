@@ -198,7 +198,7 @@ def test_refuses_what_the_layout_cannot_hold(llama_target, make_drafter, tmp_pat
     from speculators.medusa import MedusaConfig, MedusaDrafter
 
     medusa = MedusaDrafter(MedusaConfig(depth=2), llama_target.hidden_size, llama_target.vocab_size)
-    with pytest.raises(UserError, match="the trtllm format holds eagle3 drafters, not medusa"):
+    with pytest.raises(UserError, match="the trtllm format holds eagle3, dflash, dspark drafters, not medusa"):
         export.save(medusa, tmp_path / "t", Verifier("v", []), fmt="trtllm")
     assert not (tmp_path / "t").exists()
 
