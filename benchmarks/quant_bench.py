@@ -1,18 +1,18 @@
 """Quantized-target benchmark: decode speed and weight memory per quantization scheme.
 
-    python -m benchmarks.quant_bench OUT.json [--target DIR] [--prompts 4] [--new-tokens 64] [--repeats 3]
-                                             [--all-weights] [--decode-only] [--ways none,w8a8,...]
+    python -m benchmarks.quant_bench out=OUT.json [target=DIR] [prompts=4] [new_tokens=64] [repeats=3]
+                                     [all_weights=true] [decode_only=true] [ways=[none,w8a8,...]]
 
 Target-only greedy decoding (inference.engine.generate, K=0, batch 1) of the same held-out prompts
 (the stdlib eval set, inference/evalsets.py) by the target loaded once per scheme (none, int8,
 int4, gptq_int4, fp8, w8a8; embeddings and lm_head kept, the defaults, or quantized too with
---all-weights), each on the default CPU path quant.cpu_matmul=kernel, and int8 and int4 also
+all_weights=true), each on the default CPU path quant.cpu_matmul=kernel, and int8 and int4 also
 dequantized into one dense matmul and on PyTorch's packed operators (rows "int8/dequantize",
 "int4/packed", ...): the measurement behind the default.
---ways keeps some of these rows (none, the baseline, always stays).
+ways= keeps some of these rows (none, the baseline, always stays).
 Beside decoding (one row per linear call), whole forward passes at the other sizes the target
 runs: a verification pass (1 x 6 tokens: K=5 drafts and the root) and a training batch
-(8 x 256 tokens), median milliseconds over `repeats`, interleaved the same way (--decode-only
+(8 x 256 tokens), median milliseconds over `repeats`, interleaved the same way (decode_only=true
 skips them). Schemes are interleaved prompt by prompt within each repeat, so each sees the same
 machine load; tokens/s is the median over repeats of (tokens emitted) / (decode time
 after the first token). Also per scheme: weight bytes, the CPU operator its linear layers use,
@@ -22,18 +22,19 @@ output drift (mean length of the greedy output's prefix equal to the unquantized
 The pieces here (interleaved decoding, the error, the operators) also serve benchmarks.quant_report.
 """
 
-import argparse
 import json
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import MISSING
 
 from benchmarks import rounds
-from common.config import PROJECT_ROOT, exit_on_user_error, require
+from common.config import PROJECT_ROOT, at_least, require, run_command
 from inference import evalsets
 from inference.drafting import DraftingConfig
 from inference.engine import Stats, generate
@@ -165,26 +166,38 @@ def run(target_dir: str, num_prompts: int, new_tokens: int, repeats: int, all_we
             "git_revision": git_revision(), "machine": machine()}
 
 
-@exit_on_user_error
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--target", default=str(PROJECT_ROOT / "models" / "pycode"))
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--all-weights", action="store_true", help="quantize the embeddings and lm_head too")
-    parser.add_argument("--decode-only", action="store_true",
-                        help="skip the whole-pass timings (minutes per training-size pass for large targets)")
-    parser.add_argument("--ways", help="comma-separated rows to measure, e.g. none,w8a8,int8/packed (default: all)")
-    args = parser.parse_args()
+@dataclass
+class QuantBenchConfig:
+    """conf/benchmarks/quant_bench.yaml."""
+
+    out: str = MISSING  # the JSON file for the figures
+    target: str = str(PROJECT_ROOT / "models" / "pycode")
+    prompts: int = 4
+    new_tokens: int = 64
+    repeats: int = 3
+    all_weights: bool = False  # quantize the embeddings and lm_head too
+    decode_only: bool = False  # skip the whole-pass timings
+    ways: list[str] | None = None  # rows to measure; None: all
+
+
+def bench(args: QuantBenchConfig) -> None:
+    at_least(1, prompts=args.prompts, new_tokens=args.new_tokens, repeats=args.repeats)
     result = run(args.target, args.prompts, args.new_tokens, args.repeats, args.all_weights, args.decode_only,
-                 args.ways.split(",") if args.ways else None)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+                 args.ways)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     for scheme, row in result["schemes"].items():
         print(f"{scheme:11} {row['decode_tokens_per_s']:7.1f} tok/s  x{row['speedup_vs_none']:.2f}  "
               f"{row['weight_bytes'] / 2**20:6.2f} MiB  forward ms {row['forward_ms']}  err {row['quant_dequant_rel_error']}  {row['linear_ops']}")
+
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command; `argv` (tests) stands for the command line's overrides."""
+    if argv is not None:
+        sys.argv[1:] = argv
+    run_command("quant_bench", QuantBenchConfig, bench, config_dir="conf/benchmarks")
 
 
 if __name__ == "__main__":

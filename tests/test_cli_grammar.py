@@ -33,6 +33,7 @@ COMMANDS = {
     "benchmarks.parity": ("referencee=x", "reference", "drafter"),
     "benchmarks.peer": ("stepz=3", "steps", None),
     "benchmarks.planning": ("max_new_tokenz=3", "max_new_tokens", None),
+    "benchmarks.quant_bench": ("repeatz=2", "repeats", "out"),
     "benchmarks.quant_report": ("group_sizee=32", "group_size", "drafter"),
     "benchmarks.support_table": ("sourc=x.json", "source", None),
     "benchmarks.target_card": ("sampels=2", "samples", "model_dir"),
