@@ -1,11 +1,11 @@
 """Peak memory and time of the chunked distillation loss against the naive one, on the CPU.
 
-    python -m kernels.bench_loss results/pycode/bench_loss.json      # the loss alone, full size
-    python -m kernels.bench_loss results/pycode/bench_loss_lm_head.json --hidden 4096 --repeats 3
+    python -m kernels.bench_loss out=results/pycode/bench_loss.json      # the loss alone, full size
+    python -m kernels.bench_loss out=results/pycode/bench_loss_lm_head.json hidden=4096 repeats=3
 
 One measurement = forward and backward of the loss on fresh [tokens, draft_vocab] draft logits
 and [tokens, target_vocab] target logits (allocated before it, not counted), ending with the
-gradient of the draft logits. With --hidden H the measurement starts one step earlier, at the
+gradient of the draft logits. With hidden=H the measurement starts one step earlier, at the
 drafter's lm_head: draft logits = hidden [tokens, H] @ weight [draft_vocab, H]^T, and ends
 with the gradients of hidden and weight; that matmul is the same in both paths.
 
@@ -19,15 +19,18 @@ alternate, `repeats` times each; the JSON holds every run and the medians, with 
 git revision and machine.
 """
 
-import argparse
 import json
 import re
 import statistics
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import MISSING
 
+from common.config import at_least, one_of, run_command
 from kernels.distill import CHUNK_ELEMENTS, distill_loss_chunked, distill_loss_reference
 from kernels.provenance import git_revision, machine
 
@@ -69,18 +72,25 @@ def step(loss_fn, leaves, target, draft_to_target, mask, kind):
     return [loss.detach(), *torch.autograd.grad(loss.sum() / mask.sum(), leaves)]
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="JSON file to write")
-    parser.add_argument("--tokens", type=int, default=FULL_SIZE[0])
-    parser.add_argument("--draft-vocab", type=int, default=FULL_SIZE[1])
-    parser.add_argument("--target-vocab", type=int, default=FULL_SIZE[2])
-    parser.add_argument("--hidden", type=int, default=0,
-                        help="include the drafter's lm_head of this width (0: the loss alone)")
-    parser.add_argument("--target-dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--kind", choices=("soft_ce", "kl"), default="soft_ce")
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
+@dataclass
+class BenchLossConfig:
+    """conf/kernels/bench_loss.yaml."""
+
+    out: str = MISSING  # the JSON file to write
+    tokens: int = FULL_SIZE[0]
+    draft_vocab: int = FULL_SIZE[1]
+    target_vocab: int = FULL_SIZE[2]
+    hidden: int = 0  # include the drafter's lm_head of this width (0: the loss alone)
+    target_dtype: str = "float32"  # float32 | bfloat16
+    kind: str = "soft_ce"  # soft_ce | kl
+    repeats: int = 5
+
+
+def bench(args: BenchLossConfig) -> dict:
+    one_of("target_dtype", args.target_dtype, ("float32", "bfloat16"))
+    one_of("kind", args.kind, ("soft_ce", "kl"))
+    at_least(1, tokens=args.tokens, draft_vocab=args.draft_vocab, target_vocab=args.target_vocab, repeats=args.repeats)
+    at_least(0, hidden=args.hidden)
 
     generator = torch.Generator().manual_seed(0)
     leaves, target, draft_to_target, mask = make_inputs(args, generator)
@@ -108,8 +118,9 @@ def main(argv=None) -> dict:
         "max_abs_diff": [float((a - b).abs().max()) for a, b in zip(outputs["naive"], outputs["chunked"])],
         "git": git_revision(), "machine": machine(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)
     return result
 
@@ -125,6 +136,14 @@ def print_table(result: dict) -> None:
     print(f"chunked / naive: time {result['time_ratio_chunked_over_naive']:.2f}, "
           f"peak memory {result['peak_ratio_chunked_over_naive']:.2f}; max |naive - chunked| of the loss, "
           f"then each gradient: {', '.join(f'{d:.1e}' for d in result['max_abs_diff'])}")
+
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command; `argv` (tests) stands for the command line's overrides."""
+    if argv is not None:
+        sys.argv[1:] = argv
+    run_command("bench_loss", BenchLossConfig, bench, config_dir="conf/kernels")
 
 
 if __name__ == "__main__":
