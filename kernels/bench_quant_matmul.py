@@ -1,7 +1,7 @@
 """Time of one quantized matmul on the CPU: the kernel against dequantize + matmul and against fp32.
 
-    python -m kernels.bench_quant_matmul results/pycode/quant_matmul_cpu.json [--repeats 15]
-        [--shapes "smollm2 lm_head" ...] [--rows 1 6] [--stream]
+    python -m kernels.bench_quant_matmul out=results/pycode/quant_matmul_cpu.json [repeats=15]
+        [shapes='["smollm2 lm_head",...]'] [rows=[1,6]] [stream=true]
 
 For each layer shape (the shipped target's MLP, a 369M Llama's: hidden 2048, MLP 5632, and
 SmolLM2-135M's: hidden 576, 3 KV heads of 64, MLP 1536, vocab 49152) and each number of rows of x
@@ -18,20 +18,24 @@ Ways alternate call by call within each repeat (the same machine load for all); 
 enough calls to last about 20 ms, and the JSON holds the median milliseconds per call over
 repeats, the speed-up over fp32, and per scheme the largest row count where the kernel still
 beats dequantize + matmul: the measurement behind kernels.quant_matmul.CPU_KERNEL_MAX_ROWS.
-The weights stay in the caches between calls unless --stream, where each call reads another copy from
+The weights stay in the caches between calls unless stream=true, where each call reads another copy from
 memory, as decoding a whole model does (1 GiB of copies: more than a 480 MB L3, as one machine here has).
 """
 
-import argparse
 import itertools
 import json
+import shlex
 import statistics
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from omegaconf import MISSING
 
+from common.config import at_least, one_of, run_command
 from kernels.provenance import git_revision, machine
 from kernels.quant_matmul import (
     CPU_KERNEL_MAX_ROWS,
@@ -132,14 +136,24 @@ def wins_up_to(by_rows: dict[int, dict[str, float]], way: str, against: str) -> 
     return best
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
-    parser.add_argument("--stream", action="store_true", help="weights from memory, not from the caches")
-    args = parser.parse_args()
+@dataclass
+class BenchQuantMatmulConfig:
+    """conf/kernels/bench_quant_matmul.yaml."""
+
+    out: str = MISSING  # the JSON file to write
+    repeats: int = 15
+    shapes: list[str] | None = None  # SHAPES' names; None: all
+    rows: list[int] | None = None  # rows of x; None: ROWS
+    stream: bool = False  # weights from memory, not from the caches
+
+
+def bench(args: BenchQuantMatmulConfig) -> None:
+    args.shapes = list(SHAPES) if args.shapes is None else args.shapes
+    args.rows = list(ROWS) if args.rows is None else args.rows
+    for name in args.shapes:
+        one_of("shapes", name, list(SHAPES))
+    at_least(1, repeats=args.repeats, rows=min(args.rows, default=0))
+    out = Path(args.out)
     if cpu_ops() is None:
         raise SystemExit("error: the CPU kernel is not available here (needs AVX2 and a C++ compiler)")
     shapes = {}
@@ -155,16 +169,24 @@ def main() -> None:
                         "fp32_kernel_beats_fp32_up_to_rows": wins_up_to(by_rows, "fp32 kernel", "fp32")}
         print(name, json.dumps(shapes[name]["speedup_over_fp32"]), shapes[name]["kernel_beats_dequantize_up_to_rows"],
               "fp32 kernel beats F.linear up to", shapes[name]["fp32_kernel_beats_fp32_up_to_rows"], "rows")
-    shape_names = " ".join(f'"{name}"' for name in args.shapes)
-    result = {"command": f"python -m kernels.bench_quant_matmul {args.out} --repeats {args.repeats} "
-                         f"--shapes {shape_names} --rows {' '.join(map(str, args.rows))}" + (" --stream" if args.stream else ""),
+    shape_names = ",".join(f'"{name}"' for name in args.shapes)
+    result = {"command": shlex.join(["python", "-m", "kernels.bench_quant_matmul", f"out={out}", f"repeats={args.repeats}",
+                                     f"shapes=[{shape_names}]", f"rows=[{','.join(map(str, args.rows))}]"]
+                                    + (["stream=true"] if args.stream else [])),
               "git_revision": git_revision(), "machine": machine(), "int8_dot_isa": cpu_ops().int8_dot_isa(""),
               "fp32_x_isa": cpu_ops().fp32_x_isa(""),
               "group_size": GROUP_SIZE, "cpu_kernel_max_rows": CPU_KERNEL_MAX_ROWS,
               "dense_kernel_max_rows": dense_kernel_max_rows(), "shapes": shapes}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command; `argv` (tests) stands for the command line's overrides."""
+    if argv is not None:
+        sys.argv[1:] = argv
+    run_command("bench_quant_matmul", BenchQuantMatmulConfig, bench, config_dir="conf/kernels")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ COMMANDS = {
     "benchmarks.target_card": ("sampels=2", "samples", "model_dir"),
     "benchmarks.regen_engines": ("max_new_tokenz=3", "max_new_tokens", None),
     "kernels.bench_loss": ("repeatz=2", "repeats", "out"),
+    "kernels.bench_quant_matmul": ("repeatz=2", "repeats", "out"),
     "speculators.export": ("formatt=gguf", "format", "source"),
 }
 # A mandatory key only some choices bring: conf/eval/file.yaml's path.
