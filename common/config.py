@@ -5,7 +5,6 @@ that dataclass, so an unknown key or a value of the wrong type fails here, with 
 full name and the keys that are allowed, never deep inside training.
 """
 
-import argparse
 import dataclasses
 import difflib
 import functools
@@ -295,10 +294,3 @@ def _user_message(e: BaseException) -> str:
         return missing_value_message([str(e.full_key)])
     return _one_line(e)
 
-
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse for the commands that keep --flags: a bad command line ends in one line, as Hydra's do (argparse
-    prints its usage first), with argparse's exit code 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {self.prog}: {message} (--help for usage)\n")

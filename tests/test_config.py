@@ -12,7 +12,6 @@ from benchmarks.batch_sweep import BatchSweepConfig
 from benchmarks.bench import BenchConfig
 from benchmarks.llamacpp_bench import LlamacppBenchConfig
 from common.config import (
-    OneLineArgumentParser,
     UserError,
     _user_message,
     check_no_missing,
@@ -149,16 +148,3 @@ def test_the_target_says_its_automatic_dtype_at_load(llama_dir, monkeypatch, cap
     assert "target dtype: float32 (auto: no GPU)" in capsys.readouterr().out.splitlines()
     FrozenTarget.load(TargetConfig(name_or_path=str(llama_dir), layer_ids=LAYER_IDS, dtype="float32"))
     assert "target dtype" not in capsys.readouterr().out  # a dtype that was asked for goes unsaid
-
-
-@pytest.mark.parametrize("argv, said", [([], "required: source, --format"), (["a", "--format", "x"], "invalid choice"),
-                                        (["a", "--format", "gguf", "--bogus"], "unrecognized arguments: --bogus")])
-def test_argparse_commands_refuse_in_one_line(argv, said, capsys):
-    parser = OneLineArgumentParser(prog="python -m some.command")
-    parser.add_argument("source")
-    parser.add_argument("--format", required=True, choices=["gguf", "eagle3"])
-    with pytest.raises(SystemExit) as exit_:
-        parser.parse_args(argv)
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("error: python -m some.command: "), err
-    assert said in err, err
