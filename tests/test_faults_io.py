@@ -160,7 +160,7 @@ def test_an_export_into_an_unwritable_folder_is_one_line(drafter, llama_target, 
 def test_overwrite_onto_a_file_replaces_it_and_leaves_nothing_beside(drafter, llama_target, tmp_path):
     out = tmp_path / "export"
     out.write_text("a file where the export goes")
-    for _ in range(2):  # the second --overwrite there too
+    for _ in range(2):  # the second overwrite=True there too
         export.save(drafter, out, Verifier.of(llama_target), overwrite=True)
         assert out.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["export"]
     (tmp_path / "export.previous").write_text("left by an earlier version")
