@@ -32,7 +32,7 @@ Validated before anything is written: an EAGLE-3 or DSpark drafter (llama.cpp se
 exactly 3 target layers inside the target, the target's embedding shape, every tensor's shape as
 llama.cpp creates it. The export is one `*.gguf` file (what -md takes), written to a temporary sibling and
 renamed into place. Written, not read back: the tokenizer comes from the target the source records or
---target (best: the .gguf llama.cpp will serve as the target).
+`target=` (best: the .gguf llama.cpp will serve as the target).
 """
 
 import contextlib
