@@ -262,7 +262,7 @@ def test_speculators_export_has_the_documented_keys_and_tensors_and_round_trips(
     assert all(torch.equal(again[n], t) for n, t in original.items())
     prompt = text_batch[0, :12].tolist()
     assert generate(target, loaded.eval(), prompt, 20, 3).tokens == generate(target, drafter.eval(), prompt, 20, 3).tokens
-    with pytest.raises(UserError, match="the gguf format holds eagle3 drafters, not dflash"):
+    with pytest.raises(UserError, match="the gguf format holds eagle3, dspark drafters, not dflash"):
         export.save(drafter, tmp_path / "draft.gguf", Verifier("org/verifier", []), fmt="gguf")
 
 
