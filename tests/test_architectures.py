@@ -45,7 +45,7 @@ EXPORTS = ("speculators", "eagle3", "trtllm")  # formats that load back; gguf (l
 RESULTS: dict[str, dict] = {}
 S, F = "sliding_attention", "full_attention"
 
-# family -> (kind, model class, config class, config fields beyond tiny()). Asked for by issue 68, then families
+# family -> (kind, model class, config class, config fields beyond tiny()). The families users train drafters for, then
 # the installed transformers adds that build as cheaply.
 FAMILIES = {
     "llama": ("dense", "LlamaForCausalLM", "LlamaConfig", {}),

@@ -1,4 +1,4 @@
-"""NVIDIA ModelOpt 0.47's EAGLE-3 as a second peer trainer on a CPU (issue #68):
+"""NVIDIA ModelOpt 0.47's EAGLE-3 as a second peer trainer on a CPU:
 
     python -m benchmarks.peers.modelopt_peer N STEPS OUT [WORK]
 

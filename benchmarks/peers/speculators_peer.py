@@ -1,4 +1,4 @@
-"""vLLM's speculators 0.9.0 as a peer trainer on a CPU, from a clone (issue #67):
+"""vLLM's speculators 0.9.0 as a peer trainer on a CPU, from a clone:
 
     python -m benchmarks.peers.speculators_peer N STEPS OUT [WORK]   # STEPS=0: rows and hidden states only
 

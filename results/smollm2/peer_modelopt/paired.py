@@ -1,10 +1,10 @@
-"""ModelOpt's EAGLE-3 against ours and vLLM's speculators, prompt by prompt, at 40 steps (issue #68).
+"""ModelOpt's EAGLE-3 against ours and vLLM's speculators, prompt by prompt, at 40 steps.
 
     python results/smollm2/peer_modelopt/paired.py
 
 Reads each drafter's served results (greedy tau per prompt, K=3, 64 new tokens, 1 thread): ModelOpt's from
 served/ here (benchmarks.peer train=false), ours_cached and peer_matched from ../peer_speculators/fp32/served
-(issue #56: trained on the same rows and steps), all on both turns of the first 12 MT-bench conversations and the
+(trained on the same rows and steps: results/smollm2/peer_speculators), all on both turns of the first 12 MT-bench conversations and the
 first 12 ShareGPT test conversations. A prompt is matched by (set,
 turn, rank within them) and its token count checked; greedy tau per prompt depends only on the drafter and the
 target. Writes paired.json: every pair's tau difference, mean ± standard error over prompts, and on how many
