@@ -46,7 +46,7 @@ RESULTS: dict[str, dict] = {}
 S, F = "sliding_attention", "full_attention"
 
 # family -> (kind, model class, config class, config fields beyond tiny()). The families users train drafters for, then
-# the installed transformers adds that build as cheaply.
+# those the installed transformers adds that build as cheaply.
 FAMILIES = {
     "llama": ("dense", "LlamaForCausalLM", "LlamaConfig", {}),
     "qwen2": ("dense", "Qwen2ForCausalLM", "Qwen2Config", {}),
