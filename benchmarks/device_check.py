@@ -168,7 +168,7 @@ def train_steps(recipe, device: torch.device, steps: int, warmup_steps: int) -> 
     schedule = configure(list(drafter.parameters()), recipe.optim, recipe.trainer.max_steps)
     optimizer, scheduler = schedule["optimizer"], schedule["lr_scheduler"]["scheduler"]
     batches = DataLoader(EndlessShuffle(data.train_rows, data.train_mask, recipe.seed), batch_size=recipe.data.batch_size)
-    bf16 = recipe.trainer.precision.startswith("bf16")
+    bf16 = recipe.trainer.resolved_precision().startswith("bf16")
     resident = memory.now()
     memory.reset_peak()
     seconds, losses, trained = [], [], []
@@ -183,7 +183,7 @@ def train_steps(recipe, device: torch.device, steps: int, warmup_steps: int) -> 
     tokens = recipe.data.batch_size * recipe.data.seq_len
     return {"recipe": {"target": recipe.target.name, "quant": recipe.quant.scheme, "target_dtype": recipe.target.dtype,
                        "batch_size": recipe.data.batch_size, "seq_len": recipe.data.seq_len,
-                       "precision": recipe.trainer.precision, "drafter": asdict(drafter_cfg)},
+                       "precision": recipe.trainer.resolved_precision(), "drafter": asdict(drafter_cfg)},
             "device": str(device), "steps_timed": steps, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "losses": losses, "trained_fraction_max": max(trained),
             "target_weight_bytes": weight_bytes(target.model), "memory": {

@@ -86,6 +86,8 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
     assert training["steps"] == 4 and training["tokens_seen"] == 4 * 2 * 64
     assert training["wall_time_s"] >= first_wall_time  # the continued export's time counted too
     assert training["init_from"] == {"path": str(export_dir), "steps": 3, "tokens_seen": 3 * 2 * 64}
+    before = json.loads((continued / "acceptance" / "report.json").read_text())["init_from"]
+    assert before["path"] == str(export_dir) and before["k"] == before["this_run"]["k"] == k  # compared at one K
     with safe_open(str(export_dir / "model.safetensors"), "pt") as first, \
             safe_open(str(continued / "export" / "model.safetensors"), "pt") as second:
         for name in ("d2t", "fc.weight", "lm_head.weight"):

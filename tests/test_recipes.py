@@ -147,6 +147,19 @@ def test_trainer_gpu_composes_ddp_over_every_gpu_in_bf16(chat_dir):
             typed(composed(["conf=eagle3", target, *overrides]))
 
 
+def test_precision_auto_takes_bf16_only_where_it_is_native(monkeypatch):
+    """trainer.precision=auto (the SmolLM2 recipes): bf16 autocast on a CPU with native bf16, fp32 on one
+    without, where bf16 matmuls run several times slower; a precision named is kept as named."""
+    import train.recipes as recipes
+
+    for native, expected in ((True, "bf16-mixed"), (False, "32-true")):
+        monkeypatch.setattr(recipes, "native_cpu_bf16", lambda native=native: native)
+        assert TrainerConfig(precision="auto").resolved_precision() == expected
+        assert TrainerConfig(precision="32-true").resolved_precision() == "32-true"
+    recipe, _ = typed(composed(["conf=eagle3"]))
+    assert recipe.trainer.precision == "auto"
+
+
 @pytest.mark.parametrize("group", sorted(path.stem for path in (CONF / "trainer").glob("*.yaml")))
 def test_every_trainer_file_holds_exactly_the_keys_trainer_config_reads(group):
     with initialize_config_dir(str(CONF / "trainer"), version_base="1.3"):

@@ -138,8 +138,9 @@ def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[eval
         announce(f"serve_eval.ks {beyond}: beyond the {drafter.depth} drafts this drafter was trained for; the closing "
                  f"report measures {ks}")
     before = served_export(recipe.init_from, target) if recipe.init_from else None
-    arms = {k: (drafter, k) for k in sorted(set(ks) | ({before.k} if before else set()))}
-    extra = {"before": (before, before.k)} if before else {}
+    compared_k = before.k if before and before.k in ks else max(ks)  # before and after at the same K
+    arms = {k: (drafter, k) for k in sorted(ks)}
+    extra = {"before": (before, compared_k)} if before else {}
     planned = plans(recipe, drafter)
     if planned:
         temperatures = calibrate(recipe, target, drafter, max(ks), export_dir, test)
@@ -151,8 +152,8 @@ def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[eval
     result = results[best] | {
         "plan": plan_summary(results["plan"], temperatures, target, drafter, export_dir) if planned else None,
         "k_sweep": {str(k): summary(results[k]) for k in arms},
-        "init_from": {"path": recipe.init_from, **summary(results["before"]), "this_run": summary(results[before.k]),
-                      "tau_gain": paired_gain(results[before.k], results["before"])} if before else None,
+        "init_from": {"path": recipe.init_from, **summary(results["before"]), "this_run": summary(results[compared_k]),
+                      "tau_gain": paired_gain(results[compared_k], results["before"])} if before else None,
         "offline_accuracy_per_step": [float(offline[f"val/acc_step{j}"]) for j in range(drafter.depth)
                                       if f"val/acc_step{j}" in offline]}
     path = report.write(result, export_dir.parent / "acceptance")

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from common import corpus
 from common.config import UserError, at_least, one_of, require
 from common.tracking import LoggerConfig
@@ -20,7 +22,7 @@ from train.data import DataConfig
 from train.optim import OptimConfig
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps", "tpu")
-PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+PRECISIONS = ("auto", "32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 # ddp: one process per device, gradients all-reduced (gloo on CPU, nccl on GPU); fsdp: the same
 # processes, each holding a shard of the drafter's weights, gradients and optimizer state (FSDP2)
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -36,7 +38,7 @@ class TrainerConfig:
     devices: int = 1  # per node; -1: every visible GPU (not with accelerator=cpu, whose devices are processes)
     num_nodes: int = 1
     strategy: str = "auto"
-    precision: str = "32-true"
+    precision: str = "32-true"  # auto: bf16-mixed where bf16 arithmetic is native (a GPU; AMX or AVX-512 BF16 CPUs)
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     accumulate_grad_batches: int = 1
     gradient_clip_val: float = 1.0
@@ -59,6 +61,19 @@ class TrainerConfig:
         at_least(0, trainer__gradient_clip_val=self.gradient_clip_val)
         if self.num_threads is not None:
             at_least(1, trainer__num_threads=self.num_threads)
+
+    def resolved_precision(self) -> str:
+        """trainer.precision, `auto` decided for this machine: bf16 autocast pays only where bf16 matmuls are
+        native; elsewhere (an AVX2 CPU) they run several times slower than fp32."""
+        if self.precision != "auto":
+            return self.precision
+        on_gpu = self.accelerator != "cpu" and torch.cuda.is_available()
+        return "bf16-mixed" if on_gpu or native_cpu_bf16() else "32-true"
+
+
+def native_cpu_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX tiles or AVX-512 BF16)."""
+    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
 @dataclass

@@ -83,12 +83,15 @@ def make_trainer(cfg: TrainerConfig, logger, run_dir: Path, extra_callbacks=(), 
     if logger:
         callbacks.append(LearningRateMonitor("step"))
     bar = cfg.progress_bar and sys.stderr.isatty()
+    precision = cfg.resolved_precision()
+    if cfg.precision == "auto":
+        print(f"trainer.precision=auto: {precision} ({'native' if precision != '32-true' else 'no native'} bf16 here)")
     if not bar:
         callbacks.append(ProgressLines(cfg.log_every_n_steps))
     try:
         return L.Trainer(
             max_steps=cfg.max_steps, accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
-            strategy=lightning_strategy(cfg), precision=cfg.precision,
+            strategy=lightning_strategy(cfg), precision=precision,
             accumulate_grad_batches=cfg.accumulate_grad_batches, gradient_clip_val=cfg.gradient_clip_val,
             log_every_n_steps=cfg.log_every_n_steps, val_check_interval=cfg.val_every_n_steps,
             check_val_every_n_epoch=None, logger=logger, callbacks=callbacks, default_root_dir=run_dir,
