@@ -5,7 +5,7 @@
 // Decoding a large model reads every weight once per token: the matmul is bound by memory
 // bandwidth, so reading 0.5 (int4) or 1 (int8) byte per weight instead of 4 is the speed-up.
 // Each output channel n is converted 16 weights at a time into two AVX2 registers and multiplied
-// into a tile of rows of x (3 for int4 and grouped int8, 4 for int8: more would spill registers);
+// into a tile of rows of x (4 for int4 and int8, 3 for grouped int8: more would spill registers);
 // further tiles reread the channel's bytes from L1. Channels are split between threads, rows never are.
 // On AVX-512 CPUs the loops over fp32 x with int4, grouped int8 and fp32 weights run tiles of rows x channels
 // (x loaded once for several channels) that give the AVX2 loops' bits.
@@ -30,7 +30,7 @@
 namespace {
 
 constexpr int kStep = 16;  // weights converted per inner step
-constexpr int kInt4RowTile = 3;  // rows of x sharing one converted step
+constexpr int kInt4RowTile = 4;  // rows of x sharing one converted step
 constexpr int kInt8RowTile = 4;
 constexpr int kInt8GroupRowTile = 3;  // a group's partial sums take two more registers per row
 constexpr int kFp32RowTile = 6;  // 12 accumulators and the two weight registers of a step
@@ -101,16 +101,15 @@ void int4_rows(const float* x, const float* x_sums, int64_t K, const uint8_t* q,
   const int64_t groups = K / group_size;
   __m256 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  const __m256i low_nibbles = _mm256_set1_epi32(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     __m256 dot[ROWS][2];  // two chains per row: each FMA waits for the previous one in its chain
     for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_ps();
     for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kStep) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k / 2));
-      const __m128i even = _mm_and_si128(bytes, low_nibbles);
-      const __m128i odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
-      const __m256 q_even = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(even));
-      const __m256 q_odd = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(odd));
+      // 8 bytes widened to 8 lanes first: then one mask and one shift split the nibbles of all 8
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k / 2)));
+      const __m256 q_even = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low_nibbles));
+      const __m256 q_odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
       for (int r = 0; r < ROWS; ++r) {
         dot[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), q_even, dot[r][0]);
         dot[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8), q_odd, dot[r][1]);
