@@ -13,7 +13,9 @@ instruction set the JSON names), and the reference (dequantize + one matmul); an
 loop over the fp32 W ("fp32 kernel", kernels.dense_matmul: where it beats F.linear is the measurement
 behind DENSE_KERNEL_MAX_ROWS). On an AVX-512 CPU, where the fp32, int4 and int8/32 kernels run AVX-512 tiles,
 also their AVX2 loops ("fp32 kernel avx2", "int4 kernel avx2", "int8/32 kernel avx2")
-for comparison.
+for comparison. With against=<git revision>, also the kernel as it was at that revision ("<scheme> kernel
+@<revision>"), built beside this one under another op namespace: a kernel change measured against its baseline
+in the same process, call by call, with whether both give the same bits.
 Ways alternate call by call within each repeat (the same machine load for all); each timing is
 enough calls to last about 20 ms, and the JSON holds the median milliseconds per call over
 repeats, the speed-up over fp32, and per scheme the largest row count where the kernel still
@@ -22,10 +24,13 @@ The weights stay in the caches between calls unless stream=true, where each call
 memory, as decoding a whole model does (1 GiB of copies: more than a 480 MB L3, as one machine here has).
 """
 
+import functools
 import itertools
 import json
 import shlex
+import re
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -35,9 +40,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import MISSING
 
-from common.config import at_least, one_of, run_command
+from common.config import PROJECT_ROOT, UserError, at_least, one_of, run_command
+from kernels.build import extensions_root, load_library
 from kernels.provenance import git_revision, machine
 from kernels.quant_matmul import (
+    CPU_KERNEL_BUILD,
     CPU_KERNEL_MAX_ROWS,
     cpu_ops,
     dense_kernel_max_rows,
@@ -57,7 +64,7 @@ SCHEMES = ("int8", "int8/32", "int4")
 STREAM_BYTES = 2**30
 
 
-def ways_for(N: int, K: int, stream: bool = False) -> dict:
+def ways_for(N: int, K: int, stream: bool = False, against: str | None = None) -> dict:
     """way name -> function of x, all computing x W^T for a random W. stream: each call takes the next of
     enough copies of W (1 GiB of fp32) that none is still in a cache, as in decoding a whole model."""
     copies = -(-STREAM_BYTES // (4 * N * K)) if stream else 1
@@ -77,7 +84,30 @@ def ways_for(N: int, K: int, stream: bool = False) -> dict:
         ways["fp32 kernel avx2"] = way(in_avx2(lambda x, w: cpu_ops().fp32_matmul(x, w["fp32"])))
         ways |= {f"{scheme} kernel avx2": way(in_avx2(lambda x, w, s=scheme: quant_matmul_cpu(x, *w[s])))
                  for scheme in ("int4", "int8/32")}
+    if against:
+        ops = revision_ops(against)
+        ways |= {f"fp32 kernel @{against}": way(lambda x, w: ops.fp32_matmul(x, w["fp32"])),
+                 f"int8 kernel @{against}": way(lambda x, w: ops.int8_matmul(x, *w["int8"])),
+                 f"int8/32 kernel @{against}": way(lambda x, w: ops.int8_group_matmul(x, *w["int8/32"][:2], GROUP_SIZE)),
+                 f"int4 kernel @{against}": way(lambda x, w: ops.int4_matmul(x, *w["int4"]))}
     return ways
+
+
+@functools.cache
+def revision_ops(revision: str):
+    """torch.ops of kernels/quant_matmul_cpu.cpp as it was at a git revision, built beside today's kernel
+    under the namespace speculators_forge_<revision> (two libraries cannot define the same ops)."""
+    show = subprocess.run(["git", "show", f"{revision}:kernels/quant_matmul_cpu.cpp"], cwd=PROJECT_ROOT,
+                          capture_output=True, text=True)
+    if show.returncode:
+        raise UserError(f"against={revision}: no kernels/quant_matmul_cpu.cpp at that revision of {PROJECT_ROOT} "
+                        f"({show.stderr.strip().splitlines()[0] if show.stderr.strip() else 'git failed'})")
+    namespace = "speculators_forge_" + re.sub(r"\W", "_", revision)
+    source = extensions_root() / f"{namespace}.cpp"
+    source.parent.mkdir(parents=True, exist_ok=True)
+    source.write_text(show.stdout.replace("speculators_forge", namespace))
+    load_library(f"{namespace}_cpu", (source,), *CPU_KERNEL_BUILD[2:], purpose=f"the kernel at {revision}")
+    return getattr(torch.ops, namespace)
 
 
 def in_avx2(matmul):
@@ -103,6 +133,21 @@ def stored_forms(weight: torch.Tensor) -> dict:
             "int4": (pack_int4(q), scales4, zeros4, GROUP_SIZE)}
 
 
+def against_revision(revision: str, N: int, K: int, by_rows: dict[int, dict[str, float]]) -> dict:
+    """rows -> per kernel: its speed-up over the revision's, and whether both give the same bits."""
+    w, ops = stored_forms(torch.randn(N, K)), revision_ops(revision)
+    now = {"fp32": lambda x: cpu_ops().fp32_matmul(x, w["fp32"]), **{s: lambda x, s=s: quant_matmul_cpu(x, *w[s]) for s in SCHEMES}}
+    then = {"fp32": lambda x: ops.fp32_matmul(x, w["fp32"]), "int8": lambda x: ops.int8_matmul(x, *w["int8"]),
+            "int8/32": lambda x: ops.int8_group_matmul(x, *w["int8/32"][:2], GROUP_SIZE),
+            "int4": lambda x: ops.int4_matmul(x, *w["int4"])}
+    result = {}
+    for rows, ms in by_rows.items():
+        x = torch.randn(rows, K)
+        result[rows] = {"speedup": {s: round(ms[f"{s} kernel @{revision}"] / ms[f"{s} kernel"], 3) for s in now},
+                        "same_bits": {s: torch.equal(now[s](x), then[s](x)) for s in now}}
+    return result
+
+
 def calls_lasting(fn, x, seconds: float = 0.02) -> int:
     started, calls = time.perf_counter(), 0
     while time.perf_counter() - started < seconds:
@@ -111,9 +156,10 @@ def calls_lasting(fn, x, seconds: float = 0.02) -> int:
     return calls
 
 
-def time_shape(N: int, K: int, rows: int, repeats: int, stream: bool = False) -> dict[str, float]:
+def time_shape(N: int, K: int, rows: int, repeats: int, stream: bool = False,
+               against: str | None = None) -> dict[str, float]:
     """way -> median ms per call."""
-    ways = ways_for(N, K, stream)
+    ways = ways_for(N, K, stream, against)
     x = torch.randn(rows, K)
     calls = {name: calls_lasting(fn, x) for name, fn in ways.items()}  # also the warm-up
     times = {name: [] for name in ways}
@@ -145,6 +191,7 @@ class BenchQuantMatmulConfig:
     shapes: list[str] | None = None  # SHAPES' names; None: all
     rows: list[int] | None = None  # rows of x; None: ROWS
     stream: bool = False  # weights from memory, not from the caches
+    against: str | None = None  # a git revision: also its kernel, alternating call by call with this one
 
 
 def bench(args: BenchQuantMatmulConfig) -> None:
@@ -159,7 +206,7 @@ def bench(args: BenchQuantMatmulConfig) -> None:
     shapes = {}
     for name in args.shapes:
         N, K = SHAPES[name]
-        by_rows = {rows: time_shape(N, K, rows, args.repeats, args.stream) for rows in args.rows}
+        by_rows = {rows: time_shape(N, K, rows, args.repeats, args.stream, args.against) for rows in args.rows}
         shapes[name] = {"N": N, "K": K,
                         "ms_per_call": {rows: {w: round(ms, 4) for w, ms in r.items()} for rows, r in by_rows.items()},
                         "speedup_over_fp32": {rows: {w: round(r["fp32"] / ms, 2) for w, ms in r.items() if w != "fp32"}
@@ -167,12 +214,16 @@ def bench(args: BenchQuantMatmulConfig) -> None:
                         "kernel_beats_dequantize_up_to_rows": {f"{s} {k}": wins_up_to(by_rows, f"{s} {k}", f"{s} dequantize")
                                                                for s in SCHEMES for k in ("kernel", "kernel int8-x")},
                         "fp32_kernel_beats_fp32_up_to_rows": wins_up_to(by_rows, "fp32 kernel", "fp32")}
+        if args.against:
+            shapes[name][f"against {args.against}"] = against_revision(args.against, N, K, by_rows)
+            print(name, f"against {args.against}:", json.dumps(shapes[name][f"against {args.against}"]))
         print(name, json.dumps(shapes[name]["speedup_over_fp32"]), shapes[name]["kernel_beats_dequantize_up_to_rows"],
               "fp32 kernel beats F.linear up to", shapes[name]["fp32_kernel_beats_fp32_up_to_rows"], "rows")
     shape_names = ",".join(f'"{name}"' for name in args.shapes)
     result = {"command": shlex.join(["python", "-m", "kernels.bench_quant_matmul", f"out={out}", f"repeats={args.repeats}",
                                      f"shapes=[{shape_names}]", f"rows=[{','.join(map(str, args.rows))}]"]
-                                    + (["stream=true"] if args.stream else [])),
+                                    + (["stream=true"] if args.stream else [])
+                                    + ([f"against={args.against}"] if args.against else [])),
               "git_revision": git_revision(), "machine": machine(), "int8_dot_isa": cpu_ops().int8_dot_isa(""),
               "fp32_x_isa": cpu_ops().fp32_x_isa(""),
               "group_size": GROUP_SIZE, "cpu_kernel_max_rows": CPU_KERNEL_MAX_ROWS,

@@ -547,6 +547,14 @@ def test_cpu_kernel_rows_are_independent_of_batch_and_threads(weights):
         torch.set_num_threads(threads)
 
 
+def test_kernel_bench_against_an_unknown_revision_is_one_line():
+    from common.config import UserError
+    from kernels.bench_quant_matmul import revision_ops
+
+    with pytest.raises(UserError, match="against=no-such-revision: no kernels/quant_matmul_cpu.cpp at that revision"):
+        revision_ops("no-such-revision")
+
+
 @needs_cpu_kernel
 def test_fp32_weights_run_the_kernel_for_few_rows_one_row_at_a_time():
     """kernels.dense_matmul: F.linear's values; up to dense_kernel_max_rows() rows each row alone (a
