@@ -27,8 +27,8 @@ memory, as decoding a whole model does (1 GiB of copies: more than a 480 MB L3, 
 import functools
 import itertools
 import json
-import shlex
 import re
+import shlex
 import statistics
 import subprocess
 import sys
