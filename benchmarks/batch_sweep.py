@@ -22,9 +22,9 @@ from omegaconf import DictConfig
 from benchmarks.tables import write_result
 from common import plots
 from common.config import PROJECT_ROOT, at_least, exit_on_user_error, require, run_cli, to_dataclass
+from forge_kernels.provenance import git_revision, machine
 from inference import evalsets, report
 from inference.drafting import serving_k
-from kernels.provenance import git_revision, machine
 
 
 @dataclass

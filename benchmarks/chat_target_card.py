@@ -28,10 +28,10 @@ from tqdm import tqdm
 
 from common import corpus
 from common.config import at_least, run_command
+from forge_kernels.provenance import git_revision, machine
 from inference import evalsets
 from inference.engine import generate
 from inference.sessions import open_session
-from kernels.provenance import git_revision, machine
 from speculators.quant import QuantConfig, weight_bytes
 from speculators.target import FrozenTarget, TargetConfig
 from train.data import conversation, encode_chat

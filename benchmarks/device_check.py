@@ -95,7 +95,7 @@ def gpu_machine() -> dict:
     import transformers
     import triton
 
-    from kernels.provenance import git_revision, machine
+    from forge_kernels.provenance import git_revision, machine
 
     gpus = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
     return {"gpus": [{"name": p.name, "memory_gib": round(p.total_memory / GIB, 2),

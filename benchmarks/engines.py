@@ -54,10 +54,10 @@ from omegaconf import DictConfig
 from benchmarks.tables import write_result
 from common.config import PROJECT_ROOT, UserError, at_least, exit_on_user_error, one_of, require, run_cli, to_dataclass
 from engines import ENGINES, llamacpp, serving_engine, vllm_venv
+from forge_kernels.provenance import git_revision, machine
 from inference import evalsets
 from inference.drafting import serving_k
 from inference.evalsets import EvalConfig, Prompt
-from kernels.provenance import git_revision, machine
 from speculators import export, gguf_file
 from speculators.quant import QuantConfig
 

@@ -35,11 +35,11 @@ from omegaconf import MISSING
 
 from benchmarks import rounds
 from common.config import PROJECT_ROOT, at_least, require, run_command
+from forge_kernels.provenance import git_revision, machine
 from inference import evalsets
 from inference.drafting import DraftingConfig
 from inference.engine import Stats, generate
 from inference.evalsets import EvalConfig
-from kernels.provenance import git_revision, machine
 from speculators.quant import QUANT_SCHEMES, QuantConfig, QuantizedEmbedding, QuantizedLinear, weight_bytes
 from speculators.target import FrozenTarget, TargetConfig
 

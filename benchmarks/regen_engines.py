@@ -37,7 +37,7 @@ from itertools import combinations
 from pathlib import Path
 
 from common.config import PROJECT_ROOT, at_least, one_of, require, run_command
-from kernels.provenance import git_revision, machine
+from forge_kernels.provenance import git_revision, machine
 
 ENGINES = ("transformers", "llamacpp", "vllm")
 RESUMING = re.compile(r"resuming .*: (\d+) of (\d+) conversations done")

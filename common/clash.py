@@ -1,11 +1,8 @@
-"""Two other projects use our import names: vLLM's `speculators` (PyPI `speculators`) and Hugging Face's `kernels`
-(PyPI `kernels`). Installed into the environment that holds speculators-forge, pip writes their files over ours
-(or ours over theirs) without a warning, and imports then mix the two packages. `refuse_import_name_clashes` stops
-such an environment in one line, before anything imports the mixed packages; `import common` runs it.
-
-transformers looks for Hugging Face's `kernels` by its import name, so it finds ours. It reads the version of the
-distribution that provides the name (speculators-forge's, or none in a bare checkout), which is outside the range
-it supports, so it never imports from it (tests/test_package.py holds that).
+"""vLLM's `speculators` (PyPI `speculators`) uses our import name `speculators`. Installed into the environment that
+holds speculators-forge, pip writes its files over ours (or ours over its) without a warning, and imports then mix the
+two packages. `refuse_import_name_clashes` stops such an environment in one line, before anything imports the mixed
+package; `import common` runs it. (Hugging Face's `kernels`, which transformers requires, has its name to itself: our
+kernels/ is imported as forge_kernels.)
 """
 
 import importlib.metadata
@@ -15,7 +12,7 @@ from pathlib import Path
 OURS = "speculators-forge"
 HOME = Path(__file__).resolve().parent.parent  # where our packages are: the checkout, or site-packages
 # Our import name -> the other project's distribution that uses it, and whose it is.
-RIVALS = {"speculators": ("speculators", "vLLM's"), "kernels": ("kernels", "Hugging Face's")}
+RIVALS = {"speculators": ("speculators", "vLLM's")}
 FIX = f"install {OURS} in a venv of its own (python -m venv <dir>), apart from the other"
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kernels
+import forge_kernels as kernels
 from common.config import UserError
 from inference.drafting import Draft, DraftingConfig, make_batch_proposer, make_proposer
 from inference.planning import make_planner

@@ -20,11 +20,11 @@ from common import plots
 from common.config import UserError, at_least, require
 from common.progress import bar
 from common.tracking import LoggerConfig, wandb_mode
+from forge_kernels.provenance import git_revision, machine
 from inference import calibration
 from inference.drafting import DraftingConfig, serving_k
 from inference.engine import Stats, check_pair, generate_batch
 from inference.evalsets import EvalConfig, Prompt
-from kernels.provenance import git_revision, machine
 from speculators.quant import QuantConfig, describe, precision_breakdown
 from speculators.self_draft import SELF_DRAFT_TOKENS, SELF_PREFIX, SelfDrafter, check_lower_precision
 

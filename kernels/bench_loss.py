@@ -1,7 +1,7 @@
 """Peak memory and time of the chunked distillation loss against the naive one, on the CPU.
 
-    python -m kernels.bench_loss out=results/pycode/bench_loss.json      # the loss alone, full size
-    python -m kernels.bench_loss out=results/pycode/bench_loss_lm_head.json hidden=4096 repeats=3
+    python -m forge_kernels.bench_loss out=results/pycode/bench_loss.json      # the loss alone, full size
+    python -m forge_kernels.bench_loss out=results/pycode/bench_loss_lm_head.json hidden=4096 repeats=3
 
 One measurement = forward and backward of the loss on fresh [tokens, draft_vocab] draft logits
 and [tokens, target_vocab] target logits (allocated before it, not counted), ending with the
@@ -31,8 +31,8 @@ import torch
 from omegaconf import MISSING
 
 from common.config import at_least, one_of, run_command
-from kernels.distill import CHUNK_ELEMENTS, distill_loss_chunked, distill_loss_reference
-from kernels.provenance import git_revision, machine
+from forge_kernels.distill import CHUNK_ELEMENTS, distill_loss_chunked, distill_loss_reference
+from forge_kernels.provenance import git_revision, machine
 
 IMPLEMENTATIONS = {"naive": distill_loss_reference, "chunked": distill_loss_chunked}
 FULL_SIZE = (2048, 32000, 128256)  # the realistic (tokens, draft vocab, target vocab): Llama-3 8B class

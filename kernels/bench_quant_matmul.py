@@ -1,6 +1,6 @@
 """Time of one quantized matmul on the CPU: the kernel against dequantize + matmul and against fp32.
 
-    python -m kernels.bench_quant_matmul out=results/pycode/quant_matmul_cpu.json [repeats=15]
+    python -m forge_kernels.bench_quant_matmul out=results/pycode/quant_matmul_cpu.json [repeats=15]
         [shapes='["smollm2 lm_head",...]'] [rows=[1,6]] [stream=true]
 
 For each layer shape (the shipped target's MLP, a 369M Llama's: hidden 2048, MLP 5632, and
@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from omegaconf import MISSING
 
 from common.config import PROJECT_ROOT, UserError, at_least, one_of, run_command
-from kernels.build import extensions_root, load_library
-from kernels.provenance import git_revision, machine
-from kernels.quant_matmul import (
+from forge_kernels.build import extensions_root, load_library
+from forge_kernels.provenance import git_revision, machine
+from forge_kernels.quant_matmul import (
     CPU_KERNEL_BUILD,
     CPU_KERNEL_MAX_ROWS,
     cpu_ops,
@@ -220,7 +220,7 @@ def bench(args: BenchQuantMatmulConfig) -> None:
         print(name, json.dumps(shapes[name]["speedup_over_fp32"]), shapes[name]["kernel_beats_dequantize_up_to_rows"],
               "fp32 kernel beats F.linear up to", shapes[name]["fp32_kernel_beats_fp32_up_to_rows"], "rows")
     shape_names = ",".join(f'"{name}"' for name in args.shapes)
-    result = {"command": shlex.join(["python", "-m", "kernels.bench_quant_matmul", f"out={out}", f"repeats={args.repeats}",
+    result = {"command": shlex.join(["python", "-m", "forge_kernels.bench_quant_matmul", f"out={out}", f"repeats={args.repeats}",
                                      f"shapes=[{shape_names}]", f"rows=[{','.join(map(str, args.rows))}]"]
                                     + (["stream=true"] if args.stream else [])
                                     + ([f"against={args.against}"] if args.against else [])),

@@ -30,7 +30,7 @@ Three implementations of soft_ce and kl:
 - `distill_loss_triton`: one program per position, online softmax over blocks of the draft
   vocab (running max and rescaled sums), the target gathered through draft_to_target in the
   kernel, forward and backward kernels.
-`distill_loss` picks Triton or the chunked path by `kernels.use_triton`.
+`distill_loss` picks Triton or the chunked path by `forge_kernels.use_triton`.
 """
 
 from collections.abc import Callable
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
+from forge_kernels.dispatch import use_triton
 
 KINDS = ("soft_ce", "kl", "lk", "lk_hybrid")
 FUSED = ("soft_ce", "kl")  # the kinds the chunked and Triton paths implement

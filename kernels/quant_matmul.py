@@ -20,7 +20,7 @@ Three implementations of the same math:
   On AVX-512 CPUs its int4, grouped int8 and fp32 loops run tiles of rows x channels instead, with the same bits.
   Compiled on first use with torch.utils.cpp_extension (once per machine and source, kernels/build.py); where
   it cannot build (no compiler, no AVX2) the reference serves, with one warning.
-`quant_matmul` picks one: Triton where `kernels.use_triton` says so; else the CPU kernel for at most
+`quant_matmul` picks one: Triton where `forge_kernels.use_triton` says so; else the CPU kernel for at most
 CPU_KERNEL_MAX_ROWS rows if the caller allows it (cpu_kernel) and it applies; else the reference.
 Each row of the CPU kernel's result is computed alone, in one fixed order: it does not depend on the
 other rows of x (verifying k drafts gives the bits decoding one token would), nor on the threads.
@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.build import load_library
-from kernels.dispatch import use_triton
+from forge_kernels.build import load_library
+from forge_kernels.dispatch import use_triton
 
 # Up to this many rows the kernel beats dequantize + one dense matmul on our 2-core AVX2 CPU for every layer
 # measured (results/pycode/quant_matmul_cpu.json: up to 64 rows on the shipped target's layers, 128+ on a 369M model's).

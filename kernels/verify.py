@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
+from forge_kernels.dispatch import use_triton
 
 BLOCK = 2048  # vocabulary columns per step of the Triton kernels
 

@@ -28,8 +28,8 @@ from torch import nn
 from transformers import LlamaConfig
 
 from common.config import UserError, at_least, one_of, require
-from kernels import distill_loss
-from kernels.distill import KINDS
+from forge_kernels import distill_loss
+from forge_kernels.distill import KINDS
 from speculators.drafter import ParallelDrafter
 from speculators.layers import LayerCaches, RMSNorm, RotaryTable, SwiGLU, apply_rotary
 from speculators.mask_token import MaskEmbedding

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 
-import kernels
-from kernels.quant_matmul import cpu_ops
+import forge_kernels as kernels
+from forge_kernels.quant_matmul import cpu_ops
 
 
 class RMSNorm(nn.Module):

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.config import UserError, at_least, one_of, require
-from kernels import distill_loss
-from kernels.distill import KINDS
+from forge_kernels import distill_loss
+from forge_kernels.distill import KINDS
 from speculators.drafter import HeadsDrafter
 from speculators.layers import shift_left
 from speculators.target import FrozenTarget, TargetOutput

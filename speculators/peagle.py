@@ -54,8 +54,8 @@ from torch import nn
 from transformers import LlamaConfig
 
 from common.config import at_least, one_of, require
-from kernels import distill_loss
-from kernels.distill import KINDS
+from forge_kernels import distill_loss
+from forge_kernels.distill import KINDS
 from speculators.drafter import ParallelDrafter, eagle3_layout_keys, speculators_depth
 from speculators.layers import (
     Eagle3DecoderLayer,

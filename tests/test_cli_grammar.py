@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-USER_FOLDERS = ("inference", "train", "benchmarks", "speculators", "kernels")  # results/ holds lab scripts, not commands
+# folder: its import name (results/ holds lab scripts, not commands)
+USER_FOLDERS = {"inference": "inference", "train": "train", "benchmarks": "benchmarks", "speculators": "speculators",
+                "kernels": "forge_kernels"}
 
 # command: (a misspelt override, the key it meant, the mandatory key a bare command lacks, or None).
 COMMANDS = {
@@ -38,8 +40,8 @@ COMMANDS = {
     "benchmarks.support_table": ("sourc=x.json", "source", None),
     "benchmarks.target_card": ("sampels=2", "samples", "model_dir"),
     "benchmarks.regen_engines": ("max_new_tokenz=3", "max_new_tokens", None),
-    "kernels.bench_loss": ("repeatz=2", "repeats", "out"),
-    "kernels.bench_quant_matmul": ("repeatz=2", "repeats", "out"),
+    "forge_kernels.bench_loss": ("repeatz=2", "repeats", "out"),
+    "forge_kernels.bench_quant_matmul": ("repeatz=2", "repeats", "out"),
     "speculators.export": ("formatt=gguf", "format", "source"),
 }
 # A mandatory key only some choices bring: conf/eval/file.yaml's path.
@@ -49,11 +51,11 @@ CHOICE_MISSING = {"train.py": (["eval=file"], "eval.path"), "train.hidden_cache"
 def hydra_commands() -> set[str]:
     """`train.py` and each module under USER_FOLDERS that runs a Hydra main."""
     found = {"train.py"}
-    for folder in USER_FOLDERS:
+    for folder, package in USER_FOLDERS.items():
         for path in (REPO / folder).rglob("*.py"):
             if re.search(r"^@hydra\.main|^\s+run_command\(", path.read_text(), re.M):
-                module = path.relative_to(REPO).with_suffix("")
-                found.add(".".join(module.parts[:-1] if module.name == "__main__" else module.parts))
+                module = path.relative_to(REPO / folder).with_suffix("")
+                found.add(".".join((package, *(module.parts[:-1] if module.name == "__main__" else module.parts))))
     return found
 
 

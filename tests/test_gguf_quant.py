@@ -33,10 +33,9 @@ from conftest import LAYER_IDS, make_model, require_cpu_kernel, run_interpreted_
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-import kernels
+import forge_kernels as kernels
 from common.config import UserError
-from inference.engine import generate
-from kernels.quant_matmul import (
+from forge_kernels.quant_matmul import (
     CPU_KERNEL_MAX_ROWS,
     cpu_kernel_applies,
     cpu_ops,
@@ -48,6 +47,7 @@ from kernels.quant_matmul import (
     round_activation_blocks,
     unpack_int4,
 )
+from inference.engine import generate
 from speculators.layers import DecodingLinear
 from speculators.quant import (
     Int4Scheme,

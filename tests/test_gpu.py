@@ -34,9 +34,8 @@ from test_ddp import DRAFT, GLOBAL_BATCH, SEQ_LEN, Record, corpus
 from test_engine import MAX_NEW, OracleDrafter, check_stats, prompts_of, wrong_positions
 from test_kernels import BLOCK, GRAD_TOL, LOSS_TOL, greedy_case, loss_and_grad, loss_case, verify_case
 
-import kernels
-from inference.engine import generate, generate_batch
-from kernels import (
+import forge_kernels as kernels
+from forge_kernels import (
     distill_loss,
     distill_loss_reference,
     distill_loss_triton,
@@ -48,7 +47,8 @@ from kernels import (
     verify_sampling_reference,
     verify_sampling_triton,
 )
-from kernels.quant_matmul import dequantize, pack_int4, round_to_nearest_int4
+from forge_kernels.quant_matmul import dequantize, pack_int4, round_to_nearest_int4
+from inference.engine import generate, generate_batch
 from speculators import draft_vocab
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
 from speculators.target import FrozenTarget, TargetConfig

@@ -9,15 +9,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RANK = {"common": 0, "kernels": 0, "speculators": 1, "inference": 2, "engines": 2, "train": 3, "benchmarks": 4}
+RANK = {"common": 0, "forge_kernels": 0, "speculators": 1, "inference": 2, "engines": 2, "train": 3, "benchmarks": 4}
+FOLDERS = {"forge_kernels": ("forge_kernels", "kernels")}  # kernels/ is imported as forge_kernels
 
 
 def modules() -> dict[str, Path]:
     found = {}
     for package in RANK:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+        for folder in FOLDERS.get(package, (package,)):
+            for path in sorted((ROOT / folder).rglob("*.py")):
+                parts = (package, *path.relative_to(ROOT / folder).with_suffix("").parts)
+                found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import build
+from forge_kernels import build
 
 ROOT = Path(__file__).parent.parent
 TINY_SOURCE = 'extern "C" int forge_tiny() { return 7; }\n'
@@ -37,7 +37,7 @@ def tiny_extension(tmp_path: Path) -> tuple[dict, Path]:
 
 
 def load_tiny(env: dict, source: Path, **run) -> subprocess.Popen | subprocess.CompletedProcess:
-    code = (f"from kernels.build import load_library; "
+    code = (f"from forge_kernels.build import load_library; "
             f"load_library('forge_tiny', [{str(source)!r}], ['-O0'], [], purpose='a test')")
     command = [sys.executable, "-c", code]
     if run.pop("background", False):
@@ -101,11 +101,11 @@ def test_the_build_folder_is_keyed_by_sources_flags_and_torch(tmp_path, monkeypa
 
 
 def test_the_cpu_kernel_loads_past_a_lock_a_killed_build_left(cpu_kernel):
-    from kernels.quant_matmul import CPU_KERNEL_BUILD
+    from forge_kernels.quant_matmul import CPU_KERNEL_BUILD
 
     folder = build.build_directory(*CPU_KERNEL_BUILD)
     (folder / "lock").touch()  # as a build SIGKILLed mid-compile leaves it
-    child = subprocess.run([sys.executable, "-c", "from kernels.quant_matmul import cpu_ops; assert cpu_ops()"],
+    child = subprocess.run([sys.executable, "-c", "from forge_kernels.quant_matmul import cpu_ops; assert cpu_ops()"],
                            cwd=ROOT, capture_output=True, text=True, timeout=300,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert child.returncode == 0, child.stderr

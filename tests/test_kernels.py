@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import (
+import forge_kernels as kernels
+from forge_kernels import (
     distill_loss,
     distill_loss_chunked,
     distill_loss_reference,

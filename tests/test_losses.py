@@ -8,7 +8,7 @@ import torch
 from conftest import DRAFT_VOCAB
 
 from common.config import UserError
-from kernels.distill import KINDS
+from forge_kernels.distill import KINDS
 from speculators import draft_vocab
 from speculators.families import FAMILIES
 

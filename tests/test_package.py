@@ -1,6 +1,6 @@
 """`pip install <checkout>` (not editable): a wheel that runs every command from any folder with the conf/, data/
-and models/ packed inside it, and that refuses, in one line, an environment where vLLM's `speculators` or Hugging
-Face's `kernels` shares our import names."""
+and models/ packed inside it, and that refuses, in one line, an environment where vLLM's `speculators` shares our import name. Hugging Face's
+`kernels` (which transformers requires) keeps its name: our kernels/ is imported as forge_kernels."""
 
 import importlib.metadata
 import os
@@ -12,10 +12,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from packaging.version import Version
 
 REPO = Path(__file__).resolve().parent.parent
-CODE = ["common", "kernels", "speculators", "inference", "engines", "train", "benchmarks"]  # as setup.py's
+CODE = ["common", "forge_kernels", "speculators", "inference", "engines", "train", "benchmarks"]  # as setup.py's
 NOT_COPIED = {".git", ".venv", "runs", "outputs", "wandb", "results", "build", "__pycache__", ".pytest_cache",
               ".hypothesis"}
 RIVAL_WHEELS = Path.home() / ".cache" / "speculators-forge" / "wheels"
@@ -74,7 +73,7 @@ def test_wheel_holds_every_package_and_the_shipped_data_and_nothing_else_at_the_
     names = set(zipfile.ZipFile(wheel).namelist())
     packages = [p.relative_to(REPO) for name in CODE for p in (REPO / name).rglob("__init__.py")]
     assert packages and all(p.as_posix() in names for p in packages)  # a subpackage setup.py missed fails here
-    assert "kernels/quant_matmul_cpu.cpp" in names
+    assert {"forge_kernels/quant_matmul_cpu.cpp", "forge_kernels/quant_matmul.py"} <= names  # kernels/, as setup.py packs it
     for asset in ("conf", "data", "models"):
         shipped = [p.relative_to(REPO).as_posix() for p in (REPO / asset).rglob("*") if p.is_file()]
         assert shipped and all(f"common/{f}" in names for f in shipped), asset
@@ -106,10 +105,8 @@ def test_installed_commands_run_from_any_folder_on_the_packed_conf(installed, tm
     assert f"name_or_path: {site / 'common' / 'models' / 'pycode'}" in composed.stdout, composed.stderr[-3000:]
     assert (site / "common" / "models" / "pycode" / "model.safetensors").is_file()
 
-    # transformers takes a `kernels` it finds for Hugging Face's only in its version range; ours is not.
-    probe = run([python, "-c", "import sys, transformers.integrations.hub_kernels as h; "
-                 "print(h.is_kernels_available(), 'kernels' in sys.modules)"], tmp_path)
-    assert probe.stdout.split() == ["False", "False"], probe.stderr[-3000:]
+    probe = run([python, "-c", "import forge_kernels; print(forge_kernels.__file__)"], tmp_path)
+    assert probe.stdout.strip() == str(site / "forge_kernels" / "__init__.py"), probe.stderr[-3000:]
 
 
 def test_installed_forge_infer_serves_a_tiny_drafter(installed, llama_target, make_drafter, tmp_path):
@@ -142,26 +139,36 @@ def rival_wheels() -> list[Path]:
     return cached()
 
 
-def test_installed_beside_vllm_speculators_and_hf_kernels_every_command_refuses_in_one_line(
+def test_installed_beside_hf_kernels_every_command_runs_and_beside_vllm_speculators_refuses_in_one_line(
         wheel, rival_wheels, tmp_path):
     speculators_whl, kernels_whl = rival_wheels
-    # vLLM's before ours (ours overwrites its speculators/__init__.py), Hugging Face's after (its kernels/ ours).
+    def commands(bin_dir):
+        return ([bin_dir / "python", "-m", "inference", "--help"], [bin_dir / "forge-infer", "--help"],
+                [bin_dir / "forge-train", "--help"], [bin_dir / "forge-export", "--help"],
+                [bin_dir / "python", "-m", "speculators.export", "--help"])
+
+    bin_dir, site = make_venv(tmp_path / "beside-kernels", [kernels_whl, wheel])
+    for args in commands(bin_dir):
+        result = run(args, cwd=tmp_path)
+        assert result.returncode == 0 and "Traceback" not in result.stderr, (args, result.stderr[-3000:])
+
+    # vLLM's before ours (ours overwrites its speculators/__init__.py), Hugging Face's after: its kernels/ is its own.
     bin_dir, site = make_venv(tmp_path / "mixed", [speculators_whl, wheel, kernels_whl])
-    python = bin_dir / "python"
-    for args in ([python, "-m", "inference", "--help"], [bin_dir / "forge-infer", "--help"],
-                 [bin_dir / "forge-train", "--help"], [bin_dir / "forge-export", "--help"],
-                 [python, "-m", "speculators.export", "--help"], [bin_dir / "speculators", "--help"]):
+    for args in [*commands(bin_dir), [bin_dir / "speculators", "--help"]]:
         line = one_line_error(run(args, cwd=tmp_path))
         assert all(part in line for part in ("vLLM's speculators 0.9.0", "speculators-forge", str(site),
                                              "pip wrote one's files over the other's", "venv of its own")), line
 
-    # What the line says happened: pip overwrote, in both orders.
+    # What the line says happened: pip overwrote, in both orders; Hugging Face's kernels is untouched.
     def file_of(whl, name):
         return zipfile.ZipFile(whl).read(name)
 
     assert (site / "speculators" / "__init__.py").read_bytes() == (REPO / "speculators" / "__init__.py").read_bytes()
     assert (site / "speculators" / "__init__.py").read_bytes() != file_of(speculators_whl, "speculators/__init__.py")
-    assert (site / "kernels" / "__init__.py").read_bytes() == file_of(kernels_whl, "kernels/__init__.py")
+    kernels_files = [n for n in zipfile.ZipFile(kernels_whl).namelist() if n.startswith("kernels/")]
+    assert kernels_files and all((site / n).read_bytes() == file_of(kernels_whl, n) for n in kernels_files)
+    assert sorted(p.name for p in (site / "kernels").glob("*.py")) == sorted(
+        Path(n).name for n in kernels_files if n.count("/") == 1 and n.endswith(".py"))
 
 
 def fake_package(folder: Path, name: str, version: str | None) -> Path:
@@ -176,21 +183,26 @@ def fake_package(folder: Path, name: str, version: str | None) -> Path:
 
 
 def test_another_projects_package_beside_ours_stops_our_commands_in_one_line(tmp_path):
-    beside = fake_package(tmp_path / "beside", "kernels", "0.18.2")
-    for args in ([sys.executable, "-m", "inference", "--help"], [sys.executable, REPO / "train.py", "--help"],
-                 [sys.executable, "-m", "speculators.export", "--help"]):
+    beside = fake_package(tmp_path / "beside", "speculators", "0.9.0")  # first on sys.path: -m speculators.* is its own
+    for args in ([sys.executable, "-m", "inference", "--help"], [sys.executable, REPO / "train.py", "--help"]):
         line = one_line_error(run(args, cwd=tmp_path, python_path=str(beside)))
-        assert f"Hugging Face's kernels 0.18.2 ({beside}) and speculators-forge ({REPO})" in line, line
+        assert f"vLLM's speculators 0.9.0 ({beside}) and speculators-forge ({REPO})" in line, line
 
     shadow = fake_package(tmp_path / "shadow", "speculators", None)  # first on sys.path, no metadata
     line = one_line_error(run([sys.executable, "-m", "inference", "--help"], cwd=tmp_path, python_path=str(shadow)))
     assert f"'speculators' is {shadow / 'speculators'}, not speculators-forge's {REPO / 'speculators'}" in line, line
 
 
-def test_transformers_does_not_take_our_kernels_for_hugging_faces():
-    """transformers finds `kernels` by name (ours), reads the version of the distribution that provides it
-    (speculators-forge's) and, outside its supported range, never imports from it."""
-    from transformers.utils import import_utils
-
-    assert not import_utils.is_kernels_available()
-    assert Version(importlib.metadata.version("speculators-forge")) < Version(import_utils.KERNELS_MIN_VERSION)
+def test_transformers_gets_hugging_faces_kernels_where_the_checkout_is_on_sys_path():
+    """From the checkout's root (its folder first on sys.path), `import kernels` is Hugging Face's where it is
+    installed (kernels/ is a folder, not a package, so an installed package wins), and never ours."""
+    probe = ("import importlib.util, transformers.utils.import_utils as u; s = importlib.util.find_spec('kernels'); "
+             "print(s.origin if s else None, u.is_kernels_available())")
+    result = run([sys.executable, "-c", probe], cwd=REPO)
+    origin, available = result.stdout.split()
+    try:
+        theirs = Path(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))
+    except importlib.metadata.PackageNotFoundError:
+        assert available == "False", result.stderr[-3000:]  # only our folder, which transformers does not take
+        return
+    assert available == "True" and origin == str(theirs), result.stderr[-3000:]

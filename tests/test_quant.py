@@ -36,11 +36,10 @@ import torch.nn.functional as F
 from conftest import LAYER_IDS, require_cpu_kernel, run_interpreted_tests
 from torch import nn
 
-import kernels
+import forge_kernels as kernels
 from common.config import UserError
-from inference.engine import generate
-from kernels import quant_matmul, quant_matmul_reference, quant_matmul_triton
-from kernels.quant_matmul import (
+from forge_kernels import quant_matmul, quant_matmul_reference, quant_matmul_triton
+from forge_kernels.quant_matmul import (
     CPU_KERNEL_MAX_ROWS,
     cpu_kernel_applies,
     cpu_ops,
@@ -51,6 +50,7 @@ from kernels.quant_matmul import (
     quant_matmul_cpu,
     unpack_int4,
 )
+from inference.engine import generate
 from speculators.layers import DecodingLinear, decoding_linears
 from speculators.quant import (
     ACT_LEVELS,
@@ -549,7 +549,7 @@ def test_cpu_kernel_rows_are_independent_of_batch_and_threads(weights):
 
 def test_kernel_bench_against_an_unknown_revision_is_one_line():
     from common.config import UserError
-    from kernels.bench_quant_matmul import revision_ops
+    from forge_kernels.bench_quant_matmul import revision_ops
 
     with pytest.raises(UserError, match="against=no-such-revision: no kernels/quant_matmul_cpu.cpp at that revision"):
         revision_ops("no-such-revision")
@@ -557,7 +557,7 @@ def test_kernel_bench_against_an_unknown_revision_is_one_line():
 
 @needs_cpu_kernel
 def test_fp32_weights_run_the_kernel_for_few_rows_one_row_at_a_time():
-    """kernels.dense_matmul: F.linear's values; up to dense_kernel_max_rows() rows each row alone (a
+    """forge_kernels.dense_matmul: F.linear's values; up to dense_kernel_max_rows() rows each row alone (a
     verification pass gives one-token decoding's bits); more rows, or autograd, are F.linear itself."""
     layer = linear(48, 96)
     x = torch.randn(dense_kernel_max_rows() + 1, 96)

@@ -50,7 +50,7 @@ from pathlib import Path
 from torch import nn
 
 from common.config import UserError, one_of, require
-from kernels.quant_matmul import round_to_nearest_int4
+from forge_kernels.quant_matmul import round_to_nearest_int4
 from speculators.layers import DecodingLinear
 from speculators.quant import fp4, gguf, gptq
 from speculators.quant.experts import quantize_experts

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels.quant_matmul import dequantize, pack_int4, round_activation_blocks, round_to_nearest_int4
+import forge_kernels as kernels
+from forge_kernels.quant_matmul import dequantize, pack_int4, round_activation_blocks, round_to_nearest_int4
 from speculators.layers import DecodingLinear
 
 INT8_OP = getattr(torch.ops.aten, "_weight_int8pack_mm", None)

@@ -14,7 +14,7 @@ from pathlib import Path
 from torch import nn
 
 from common.config import UserError, one_of
-from kernels.quant_matmul import ACT_BLOCK
+from forge_kernels.quant_matmul import ACT_BLOCK
 
 BUILT_IN = ("int8", "int4", "gptq", "fp8", "w8a8", "gguf", "fp4")  # modules: gptq is gptq_int4, fp4 mxfp4 and nvfp4
 SCHEMES: dict[str, type] = {}

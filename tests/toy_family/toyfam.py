@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import distill_loss
+from forge_kernels import distill_loss
 from speculators import layers
 from speculators.drafter import ChainDrafter
 
