@@ -294,6 +294,16 @@ def test_conversations_the_template_rejects_are_counted_with_its_reason(tokenize
     assert int(mask.sum()) == sum(sum(m) for _, m in kept)
 
 
+def test_tokenizing_on_two_cores_gives_the_rows_masks_and_tally_of_one(tokenizer, tmp_path):
+    strict = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns here') }}{% endif %}" + CHATML
+    rows = sharegpt_rows(300)  # every third rejected by the template: the reason crosses from a worker
+    cfg = DataConfig(source="file", path=str(write_jsonl(tmp_path / "c.jsonl", rows)), layout="sharegpt",
+                     seq_len=96, chat_template=strict)
+    one, two = tokenize_split(rows, tokenizer, cfg), tokenize_split(rows, tokenizer, cfg, processes=2)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1]) and one[2] == two[2]
+    assert two[2].rejected == 100 and two[2].first_rejection == "no system turns here"
+
+
 def test_the_datamodule_streams_masks_and_the_draft_vocab_counts_assistant_tokens_only(chat_tokenizer, tmp_path):
     cfg = DataConfig(source="file", path=str(write_jsonl(tmp_path / "c.jsonl", sharegpt_rows(60))), layout="sharegpt",
                      seq_len=96, batch_size=3)

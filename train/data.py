@@ -65,6 +65,7 @@ from common.corpus import (
     split_of,
     stdlib_files,
 )
+from common.parallel import cores, fork_map
 from inference.evalsets import utf8_text
 from speculators import gguf_file
 from train import token_cache
@@ -76,6 +77,7 @@ LISTED_PROBLEMS = 5
 RESPLIT_SALT = "resplit"  # split_by_hash: the second split of a set drawn from one split
 CACHE_ENGINES = ("transformers", "vllm")
 CACHE_DTYPES = ("bfloat16", "float8_e4m3", "float32")  # float8_e4m3 with a float32 scale per token and layer
+PARALLEL_EXAMPLES = 2000  # fewer examples tokenize in seconds: no progress bar, no workers forked
 
 
 @dataclass
@@ -474,23 +476,31 @@ class Tally:
         return line
 
 
-def tokenize_split(examples, tokenizer, cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor, Tally]:
-    """(input_ids, loss_mask, tally) of one split."""
+def tokenize_split(examples, tokenizer, cfg: DataConfig, processes: int = 1) -> tuple[torch.Tensor, torch.Tensor, Tally]:
+    """(input_ids, loss_mask, tally) of one split; chat and prompt/completion examples over `processes` cores."""
     if cfg.layout == "text":
         texts = [row["text"] for row in examples]
         kept = [text for text in texts if text.strip()]
         rows = pack(datasets.Dataset.from_dict({"text": kept}), tokenizer, cfg.seq_len)
         return rows, torch.ones_like(rows, dtype=torch.bool), Tally(len(texts), empty=len(texts) - len(kept))
     encode, tally, kept = example_encoder(cfg, tokenizer), Tally(len(examples)), []
-    # about 150 chat examples a second on one core: a bar for data sets that take more than a few seconds
-    quiet = len(examples) < 2000 or rank_zero_only.rank != 0
-    for row in tqdm(examples, desc="tokenizing", unit="example", disable=quiet, mininterval=5, leave=False):
+
+    def attempt(row: dict) -> tuple[list[int], list[bool]] | str:
         try:
-            ids, mask = encode(row)
-        except jinja2.TemplateError as e:
+            return encode(row)
+        except jinja2.TemplateError as e:  # the example is counted as rejected, with the first reason
+            return str(e)
+
+    # about 150 chat examples a second on one core: a bar for data sets that take more than a few seconds
+    quiet = len(examples) < PARALLEL_EXAMPLES or rank_zero_only.rank != 0
+    encoded = fork_map(attempt, examples, processes)
+    for result in tqdm(encoded, total=len(examples), desc=f"tokenizing on {processes} cores" if processes > 1
+                       else "tokenizing", unit="example", disable=quiet, mininterval=5, leave=False):
+        if isinstance(result, str):
             tally.rejected += 1
-            tally.first_rejection = tally.first_rejection or str(e)
+            tally.first_rejection = tally.first_rejection or result
             continue
+        ids, mask = result
         if not any(mask):
             tally.empty += 1
         elif len(ids) > cfg.seq_len and (cfg.overlong == "skip" or not any(mask[: cfg.seq_len])):
@@ -502,6 +512,12 @@ def tokenize_split(examples, tokenizer, cfg: DataConfig) -> tuple[torch.Tensor, 
         raise UserError(f"no example is left to train on: {tally.line(cfg.seq_len)}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return *pack_examples(kept, cfg.seq_len, pad), tally
+
+
+def tokenizing_processes(examples: int) -> int:
+    """Cores to tokenize on, for data sets large enough that forking pays: this process's share of the machine's,
+    since every training process tokenizes (trainer=gpu runs one per GPU) before the trainer exists."""
+    return max(1, cores() // max(1, torch.cuda.device_count())) if examples >= PARALLEL_EXAMPLES else 1
 
 
 @rank_zero_only
@@ -567,8 +583,10 @@ class TextDataModule(L.LightningDataModule):
         examples, cfg = self.files[split], self.cfg
         settings = {"layout": cfg.layout, "seq_len": cfg.seq_len, "overlong": cfg.overlong,
                     "template": chat_template(cfg, self.tokenizer) if cfg.layout in CHAT_FIELDS else None}
+        processes = tokenizing_processes(len(examples))
         rows, mask, counts = token_cache.cached(examples, self.tokenizer, settings,
-                                                lambda: tokenize_split(examples, self.tokenizer, cfg), sys.modules[__name__])
+                                                lambda: tokenize_split(examples, self.tokenizer, cfg, processes),
+                                                sys.modules[__name__])
         tally = Tally(**counts)
         announce(f"data {split}: {tally.line(self.cfg.seq_len)}; {len(rows)} rows of {self.cfg.seq_len} tokens, "
                  f"{mask.float().mean():.0%} of them trained")
