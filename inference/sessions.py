@@ -138,16 +138,23 @@ class RecurrentSession(HFSession):
             self(tokens[:, : length - before])
 
     def states(self) -> list[dict | None]:
-        """Every recurrent layer's conv and recurrent states and flags, copied (they are updated in place)."""
+        """Every recurrent layer's conv and recurrent states, flags and token count, copied (they are updated in
+        place)."""
         return [None if not isinstance(layer, LinearAttentionCacheLayerMixin) else
-                {name: {i: t.clone() if isinstance(t, torch.Tensor) else t for i, t in getattr(layer, name).items()}
-                 for name in RECURRENT_STATE}
+                {name: copied(getattr(layer, name)) for name in RECURRENT_STATE if hasattr(layer, name)}
                 for layer in self.cache.layers]
 
 
-# A linear-attention cache layer's per-state dicts (transformers.cache_utils.LinearAttentionCacheLayerMixin).
+# A linear-attention cache layer's per-state dicts (transformers.cache_utils.LinearAttentionCacheLayerMixin) and,
+# from transformers 5.25, the tokens it has seen (a tensor, which get_seq_length reads: positions follow it).
 RECURRENT_STATE = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
-                   "has_previous_state", "conv_kernel_size")
+                   "has_previous_state", "conv_kernel_size", "cumulative_length_linear")
+
+
+def copied(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return {i: t.clone() if isinstance(t, torch.Tensor) else t for i, t in value.items()}
 ROLLBACK_PASSES = 64  # passes kept for rollback: a verification, or a self-drafting copy's k one-token steps
 
 

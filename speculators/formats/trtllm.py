@@ -109,7 +109,7 @@ def config_of(drafter) -> dict:
         "rms_norm_eps": layer.rms_norm_eps,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",  # save() records the stored dtype
-        "transformers_version": getattr(layer, "transformers_version", None) or transformers.__version__,
+        "transformers_version": transformers.__version__,  # the writer's, as save_pretrained records it
         "use_cache": True,
         "vocab_size": len(drafter.t2d),
         "draft_vocab_size": drafter.cfg.draft_vocab_size,
