@@ -149,13 +149,14 @@ class RecurrentSession(HFSession):
 # from transformers 5.25, the tokens it has seen (a tensor, which get_seq_length reads: positions follow it).
 RECURRENT_STATE = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
                    "has_previous_state", "conv_kernel_size", "cumulative_length_linear")
+ROLLBACK_PASSES = 64  # passes kept for rollback: a verification, or a self-drafting copy's k one-token steps
 
 
 def copied(value):
+    """A state of RECURRENT_STATE, copied: a tensor, or a dict of them (and of flags) per state index."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     return {i: t.clone() if isinstance(t, torch.Tensor) else t for i, t in value.items()}
-ROLLBACK_PASSES = 64  # passes kept for rollback: a verification, or a self-drafting copy's k one-token steps
 
 
 class StaticSession:
