@@ -4,11 +4,9 @@ its own venv by vllm_runner.py, which imports nothing of ours). One client file 
 your own on the Python path, the first time a name is asked for (docs/new_engine.md). benchmarks/engines.py
 reads its choices and labels here."""
 
-import importlib
-import re
 from typing import NamedTuple
 
-from common.config import one_of
+from common.registry import import_built_in, look_up
 
 BUILT_IN = ("llamacpp", "vllm_venv")  # modules: vllm_venv is the engine vllm
 ENGINES: dict[str, "Engine"] = {}
@@ -27,21 +25,7 @@ def register_engine(found: Engine) -> Engine:
 
 def serving_engine(name: str) -> Engine:
     """Engine `name`, importing its module when it is not registered yet (an unknown name: one line)."""
-    if name not in ENGINES and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", str(name)):
-        import_engine(name)
-    one_of("engines", name, ENGINES)
-    return ENGINES[name]
+    return look_up(ENGINES, name, "engines", "engines")
 
 
-def import_engine(name: str) -> None:
-    for module in (f"engines.{name}", name):
-        try:
-            importlib.import_module(module)
-            return
-        except ModuleNotFoundError as e:
-            if e.name != module:  # the engine's module is there but imports something missing
-                raise
-
-
-for _module in BUILT_IN:
-    importlib.import_module(f"engines.{_module}")
+import_built_in("engines", BUILT_IN)

@@ -37,7 +37,7 @@ def test_the_library_does_not_name_the_toy_format():
 
 
 def test_an_unknown_format_is_refused_in_one_line():
-    with pytest.raises(UserError, match="unknown export format 'nosuchfmt'; allowed: speculators, "):
+    with pytest.raises(UserError, match="format=.nosuchfmt. is not valid; choose one of: speculators, "):
         export_format("nosuchfmt")
 
 

@@ -11,13 +11,12 @@ template (turn i after the target's answers to the turns before it); raw sets as
 the earlier turns and answers, concatenated); chat sets need a chat template.
 """
 
-import importlib
-import re
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from common.config import UserError, at_least, one_of, require
+from common.config import UserError, at_least, require
 from common.progress import bar
+from common.registry import import_built_in, look_up
 from inference.engine import generate
 
 BUILT_IN = ("stdlib", "mtbench", "sharegpt", "file")
@@ -74,20 +73,7 @@ def register_eval_set(found: EvalSet) -> EvalSet:
 
 def eval_set(name: str) -> EvalSet:
     """Eval set `name`, importing its module when it is not registered yet (an unknown name: one line)."""
-    if name not in EVAL_SETS and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", str(name)):
-        import_eval_set(name)
-    one_of("eval.name", name, [*EVAL_SETS, DATA])
-    return EVAL_SETS[name]
-
-
-def import_eval_set(name: str) -> None:
-    for module in (f"inference.evalsets.{name}", name):
-        try:
-            importlib.import_module(module)
-            return
-        except ModuleNotFoundError as e:
-            if e.name != module:  # the set's module is there but imports something missing
-                raise
+    return look_up(EVAL_SETS, name, "inference.evalsets", "eval.name", after=(DATA,))
 
 
 def conversations(cfg: EvalConfig) -> list[list[str]]:
@@ -180,5 +166,4 @@ def prompts_of(chats: list[list[str]], template: str | None, target, max_new_tok
     return out
 
 
-for _name in BUILT_IN:
-    importlib.import_module(f"inference.evalsets.{_name}")
+import_built_in("inference.evalsets", BUILT_IN)

@@ -4,14 +4,12 @@
 your own on the Python path, the first time it is asked for. speculators/export.py does what every format
 shares (validation, atomic writes, reading back); docs/new_export_format.md says how to add one."""
 
-import importlib
-import re
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from transformers import AutoConfig
 
-from common.config import UserError
+from common.registry import import_built_in, look_up
 
 BUILT_IN = ("speculators", "eagle", "eagle3", "dflash", "medusa", "gguf", "trtllm")
 
@@ -65,21 +63,7 @@ def register_format(fmt: Format) -> Format:
 
 def export_format(name: str) -> Format:
     """Format `name`, importing its module when it is not registered yet (an unknown name: one line)."""
-    if name not in FORMATS and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", str(name)):
-        import_format(name)
-    if name not in FORMATS:
-        raise UserError(f"unknown export format {name!r}; allowed: {', '.join(FORMATS)}")
-    return FORMATS[name]
-
-
-def import_format(name: str) -> None:
-    for module in (f"speculators.formats.{name}", name):
-        try:
-            importlib.import_module(module)
-            return
-        except ModuleNotFoundError as e:
-            if e.name != module:  # the format's module is there but imports something missing
-                raise
+    return look_up(FORMATS, name, "speculators.formats", "format")
 
 
 def format_of(config: dict) -> str | None:
@@ -94,5 +78,4 @@ def families_of(fmt: str) -> list[str]:
     return [name for name, cls in FAMILIES.items() if fmt in cls.export_formats or name in FORMATS[fmt].families]
 
 
-for _name in BUILT_IN:
-    importlib.import_module(f"speculators.formats.{_name}")
+import_built_in("speculators.formats", BUILT_IN)

@@ -7,13 +7,12 @@ A handler checks every layer before any changes (`check`), may read the model on
 calibration), and builds each replacement: `convert` for an nn.Linear, `convert_table` for an embedding
 table (looked up row by row, never multiplied). `speculators.quant.quantize` swaps them in."""
 
-import importlib
-import re
 from pathlib import Path
 
 from torch import nn
 
-from common.config import UserError, one_of
+from common.config import UserError
+from common.registry import import_built_in, look_up
 from forge_kernels.quant_matmul import ACT_BLOCK
 
 BUILT_IN = ("int8", "int4", "gptq", "fp8", "w8a8", "gguf", "fp4")  # modules: gptq is gptq_int4, fp4 mxfp4 and nvfp4
@@ -54,21 +53,7 @@ class Scheme:
 
 def scheme(name: str) -> type:
     """The handler class of scheme `name`, importing its module when it is not registered yet."""
-    if name not in SCHEMES and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", str(name)):
-        import_scheme(name)
-    one_of("quant.scheme", name, ("none", *SCHEMES))
-    return SCHEMES[name]
+    return look_up(SCHEMES, name, "speculators.quant", "quant.scheme", before=("none",))
 
 
-def import_scheme(name: str) -> None:
-    for module in (f"speculators.quant.{name}", name):
-        try:
-            importlib.import_module(module)
-            return
-        except ModuleNotFoundError as e:
-            if e.name != module:  # the scheme's module is there but imports something missing
-                raise
-
-
-for _module in BUILT_IN:
-    importlib.import_module(f"speculators.quant.{_module}")
+import_built_in("speculators.quant", BUILT_IN)
