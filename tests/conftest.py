@@ -231,9 +231,11 @@ SLOW = {
 # `engines`: served by an engine built on demand outside pytest (llama.cpp: engines/llamacpp.py build();
 # vLLM's CPU venv: engines/vllm_venv.py SETUP); they skip until it is there, and are slow too.
 ENGINES = {
-    "test_engines_bench.py": {"test_llamacpp_serves_the_drafter_beside_ours", "test_vllm_serves_our_export_in_its_cpu_build"},
+    "test_engines_bench.py": {"test_llamacpp_serves_the_drafter_beside_ours", "test_vllm_serves_our_export_in_its_cpu_build",
+                              "test_vllm_cpu_build_refuses_dspark_for_the_reason_we_give"},
     "test_export_gguf.py": {"test_llamacpp_serves_the_export", "test_llamacpp_target_only_completion",
                             "test_llamacpp_bench_runs_both_engines_on_the_same_prompts"},
+    "test_llamacpp_dspark.py": {"test_llamacpp_serves_dspark_beside_ours"},
 }
 
 

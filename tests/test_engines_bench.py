@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import LAYER_IDS
 from hydra import compose, initialize_config_dir
+from test_dspark import make_dspark
 from test_export_gguf import built, gguf_target  # noqa: F401 - gguf_target is a fixture used below
 
 from benchmarks import engines
@@ -154,6 +155,48 @@ def test_vllm_runner_counts_what_vllm_reports():
     assert "speculative_config" not in vllm_runner.engine_args({"target": "t", "draft": None})
 
 
+class ValidationError(Exception):
+    """What pydantic raises for vLLM's VllmConfig: its ValueError quoted on the second line."""
+
+
+def test_a_refusal_wrapped_by_pydantic_is_reported_as_vllms_own_line():
+    wrapped = ValidationError("1 validation error for VllmConfig\n  Value error, Model Runner V1 does not support: "
+                              "dspark speculative decoding [type=value_error, input_value=ArgsKwargs((), {...})]\n"
+                              "    For further information visit https://errors.pydantic.dev/2.14/v/value_error")
+    assert vllm_runner.one_line(wrapped) == "ValueError: Model Runner V1 does not support: dspark speculative decoding"
+    assert vllm_runner.one_line(RuntimeError("first\nsecond")) == "RuntimeError: first"
+
+
+def test_dspark_refused_on_vllms_cpu_build_is_explained_in_one_line():
+    for refusal in ("ValueError: Model Runner V1 does not support: dspark speculative decoding",
+                    "ValueError: Model Runner V2 requires Triton."):
+        explained = vllm_venv.explain_refusal(refusal)
+        assert explained.startswith(refusal) and "\n" not in explained
+        assert "Model Runner V2" in explained and "triton-cpu" in explained and "vllm/config/vllm.py" in explained
+    assert vllm_venv.explain_refusal("ValueError: something else") == "ValueError: something else"
+
+
+class Family:
+    def __init__(self, family):
+        self.family = family
+
+
+def test_vllm_is_asked_for_the_drafters_family_and_its_refusal_ends_the_command(tmp_path, monkeypatch):
+    cfg = engines.EnginesConfig(drafter=str(tmp_path), engines=["vllm"])
+    asked = engines.speculative(Family("dspark"), 4, cfg)
+    assert asked == {"draft": str(tmp_path.resolve()), "k": 4, "method": "dspark"}
+    refusal = {"vllm_version": "0.32.0", "error": vllm_venv.explain_refusal(
+        "ValueError: Model Runner V1 does not support: dspark speculative decoding")}
+    monkeypatch.setattr(vllm_venv, "check", lambda python, request, threads, timeout: refusal)
+    with pytest.raises(UserError) as e:
+        engines.check_vllm(Path("python"), {"target": "t"} | asked, cfg)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"vLLM 0.32.0 refuses to serve {tmp_path} (dspark, K=4)")
+    assert "Model Runner V1 does not support: dspark" in message and "leave vllm out of engines=" in message
+    monkeypatch.setattr(vllm_venv, "check", lambda python, request, threads, timeout: {"error": None})
+    engines.check_vllm(Path("python"), {"target": "t"} | asked, cfg)  # served: nothing said
+
+
 @pytest.mark.parametrize("name", ["vllm_runner.py", "vllm_hidden_connector.py"])
 def test_vllm_side_imports_nothing_of_the_project(name):
     """They run in vLLM's venv, where neither the project nor its dependencies are installed: only vLLM's own."""
@@ -227,3 +270,22 @@ def test_vllm_serves_our_export_in_its_cpu_build(vllm_sized, tmp_path):
     spec = result["spec"]
     assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == 2 * spec["num_drafts"]
     assert 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+
+
+@with_vllm
+def test_vllm_cpu_build_refuses_dspark_for_the_reason_we_give(vllm_sized, text_batch, tmp_path):
+    """vLLM's own check of our DSpark export on its CPU build: refused, and explained; the EAGLE-3 export beside
+    it passes the same check. The day vLLM's CPU build serves DSpark, this fails: measure it then."""
+    from speculators import export
+    from speculators.target import FrozenTarget, TargetConfig
+
+    folder, eagle3 = vllm_sized
+    target = FrozenTarget.load(TargetConfig(name_or_path=str(folder), layer_ids=LAYER_IDS))
+    dspark = export.save(make_dspark(target, text_batch), tmp_path / "dspark", export.Verifier.of(target))
+    request = {"target": str(folder), "prompts": [[5, 6, 7]], "max_tokens": 4, "max_model_len": 64, "eager": True}
+    refused = vllm_venv.check(VLLM_PYTHON, request | {"draft": str(dspark), "k": 4, "method": "dspark"}, 1, 600)
+    assert refused["error"] is not None, "vLLM's CPU build now accepts DSpark: serve it in benchmarks.engines"
+    assert "does not support: dspark speculative decoding" in refused["error"], refused["error"]
+    assert "triton-cpu" in refused["error"] and "\n" not in refused["error"]
+    served = vllm_venv.check(VLLM_PYTHON, request | {"draft": str(eagle3), "k": 2, "method": "eagle3"}, 1, 600)
+    assert served["error"] is None, served["error"]
