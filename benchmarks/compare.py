@@ -9,7 +9,9 @@ decoding prompt by prompt, for `repeats` rounds; tokens/s is the median over rou
 tau and the acceptance rate per position (vLLM's definitions), tokens/s, speed-up, where the
 time goes, whether outputs equal target-only greedy, and the drafter's training budget from
 its training.json (steps, tokens seen, wall time). Two figures say how far a difference in tau is real:
-its standard error, and the drafter's vocabulary coverage (the share of target-only output
+its standard error over prompts with, for every drafter after the first, its difference from the first drafter
+prompt by prompt (mean ± standard error: the prompts and target outputs are the same), and the drafter's
+vocabulary coverage (the share of target-only output
 tokens its draft vocabulary holds: no position's acceptance rate can exceed it). Writes <out>/compare.json, compare.md, compare.png.
 """
 
@@ -22,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from benchmarks import rounds
-from benchmarks.tables import write_result
+from benchmarks.tables import paired, spread, write_result
 from common import plots
 from common.config import PROJECT_ROOT, UserError, at_least, exit_on_user_error, require, run_cli, to_dataclass
 from inference import evalsets
@@ -66,6 +68,7 @@ class Method:
     tokens: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)  # first round
     stats: object = None  # engine.Stats summed over the first round's prompts
+    tau_per_prompt: list[float] = field(default_factory=list)  # first round
 
 
 def methods(drafters: list[tuple[str, object, dict | None]], cfg: CompareConfig) -> list[Method]:
@@ -102,6 +105,7 @@ def run(target, rows: list[Method], prompts: list[list[int]], cfg: CompareConfig
         row.stats = Stats(row.k)
         for out in timed[i].results:
             row.stats.add(out.stats)
+        row.tau_per_prompt = [out.stats.acceptance_length for out in timed[i].results]
 
 
 def tau_standard_error(accepted_at: list[int], drafts: int) -> float:
@@ -125,8 +129,10 @@ def vocabulary_coverage(drafter, outputs: list[list[int]]) -> float:
 
 def summary(rows: list[Method]) -> list[dict]:
     base = statistics.median(t / s for t, s in zip(rows[0].tokens, rows[0].seconds))
+    first = next((row for row in rows if row.drafter is not None), None)
     table = []
     for row in rows:
+        served = row.drafter is not None
         speed = statistics.median(t / s for t, s in zip(row.tokens, row.seconds))
         table.append({
             "method": row.name,
@@ -146,22 +152,28 @@ def summary(rows: list[Method]) -> list[dict]:
             "time_split_s": {"draft": row.stats.draft_s, "verify": row.stats.verify_s,
                              "other": row.stats.decode_s - row.stats.draft_s - row.stats.verify_s},
             "outputs_match_target_only": row.outputs == rows[0].outputs,
+            "tau_over_prompts": spread(row.tau_per_prompt) if served else None,
+            "tau_minus_first": paired(row.tau_per_prompt, first.tau_per_prompt) if served and row is not first else None,
+            "tau_per_prompt": row.tau_per_prompt if served else None,
             "training": row.training,
         })
     return table
 
 
 def markdown(table: list[dict]) -> str:
-    lines = ["| drafter | tau (± s.e.) | acceptance per position | vocab coverage | tokens/s | speed-up | matches "
-             "| steps | tokens seen | training time |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| drafter | tau (± s.e. over prompts) | minus the first drafter, per prompt | acceptance per position "
+             "| vocab coverage | tokens/s | speed-up | matches | steps | tokens seen | training time |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         tau = "-" if r["acceptance_length"] is None else \
-            f"{r['acceptance_length']:.2f} ± {r['acceptance_length_stderr']:.2f}"
+            f"{r['acceptance_length']:.2f} ± {r['tau_over_prompts']['se']:.2f}"
+        minus = "-" if not r["tau_minus_first"] else \
+            f"{r['tau_minus_first']['mean']:+.3f} ± {r['tau_minus_first']['se']:.3f}"
         coverage = "-" if r["draft_vocabulary_coverage"] is None else f"{r['draft_vocabulary_coverage']:.3f}"
         curve = " ".join(f"{a:.2f}" for a in r["acceptance_rate_per_position"]) or "-"
         training = r["training"] or {}
         minutes = "-" if training.get("wall_time_s") is None else f"{training['wall_time_s'] / 60:.0f} min"
-        lines.append(f"| {r['method']} | {tau} | {curve} | {coverage} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
+        lines.append(f"| {r['method']} | {tau} | {minus} | {curve} | {coverage} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
                      f"{'yes' if r['outputs_match_target_only'] else 'NO'} | {training.get('steps', '-')} | "
                      f"{training.get('tokens_seen', '-')} | {minutes} |")
     return "\n".join(lines)

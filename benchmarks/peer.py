@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.tables import paired, spread  # noqa: F401 (peer.paired, peer.spread)
 from common.config import PROJECT_ROOT, UserError, at_least, require, run_command
 
 ARMS = ("ours", "ours_cached", "peer_matched", "peer_defaults", "modelopt")
@@ -553,18 +554,6 @@ def pooled(outs: list, k: int) -> float:
     for out in outs:
         total.add(out.stats)
     return total.acceptance_length
-
-
-def spread(values: list[float]) -> dict:
-    """Mean over prompts, its standard deviation and the standard error of the mean."""
-    n = len(values)
-    sd = statistics.stdev(values) if n > 1 else float("nan")
-    return {"mean": statistics.fmean(values), "sd": sd, "se": sd / n**0.5 if n > 1 else float("nan"), "n": n}
-
-
-def paired(a: list[float], b: list[float]) -> dict:
-    """a - b prompt by prompt (the same prompts, the same target outputs): mean and its standard error."""
-    return spread([x - y for x, y in zip(a, b)])
 
 
 # Table and plot ------------------------------------------------------------------------------------------------

@@ -1,8 +1,21 @@
 """Where every benchmark's result goes: one JSON of the figures and one markdown table beside it."""
 
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
+
+
+def spread(values: list[float]) -> dict:
+    """Mean over prompts, its standard deviation and the standard error of the mean."""
+    n = len(values)
+    sd = statistics.stdev(values) if n > 1 else float("nan")
+    return {"mean": statistics.fmean(values), "sd": sd, "se": sd / n**0.5 if n > 1 else float("nan"), "n": n}
+
+
+def paired(a: list[float], b: list[float]) -> dict:
+    """a - b prompt by prompt (the same prompts, the same target outputs): mean and its standard error."""
+    return spread([x - y for x, y in zip(a, b)])
 
 
 def write_result(out: Path, result: dict, table: str, json_name: str, md_name: str,

@@ -55,6 +55,12 @@ def test_rows_per_drafter_and_mode_with_measure_s_figures(llama_target, exports,
         assert row["acceptance_length"] == pytest.approx(alone["acceptance_length"])
         assert row["acceptance_rate_per_position"] == pytest.approx(alone["acceptance_rate_per_position"])
     assert table[3]["training"]["tokens_seen"] == 100
+    # Every drafter row after the first: its tau minus the first's, prompt by prompt.
+    assert table[1]["tau_minus_first"] is None and len(table[1]["tau_per_prompt"]) == len(prompts)
+    for r in table[2:]:
+        differences = [a - b for a, b in zip(r["tau_per_prompt"], table[1]["tau_per_prompt"])]
+        assert r["tau_minus_first"]["mean"] == pytest.approx(sum(differences) / len(prompts))
+        assert r["tau_minus_first"]["n"] == len(prompts)
     twins = [(path, drafter, {"family": "eagle3"}) for path, drafter, _ in drafters]
     assert [r.name for r in compare.methods(twins, replace(cfg, modes=["chain"]))][1:] == [
         f"eagle3 {exports[0]} (chain)", f"eagle3 {exports[1]} (chain)"]  # one family twice: told apart by path
