@@ -1,7 +1,8 @@
-"""llama.cpp as the CPU peer: our EAGLE-3 drafter served by llama.cpp, on the GGUF target it was trained against.
+"""llama.cpp as the CPU peer: our drafter (EAGLE-3 or DSpark) served by llama.cpp, on the GGUF target it was
+trained against.
 
-    python -m benchmarks.llamacpp_bench drafter=<EAGLE-3 export of a GGUF target> [eval=mtbench]
-        [max_new_tokens=128] [k=K] [repeats=3] [out=DIR]
+    python -m benchmarks.llamacpp_bench drafter=<EAGLE-3 or DSpark export of a GGUF target> [eval=mtbench]
+        [max_new_tokens=128] [k=K] [repeats=3] [confidence_min=P] [out=DIR]
 
 On the same prompts, greedy, one thread, interleaved prompt by prompt (benchmarks/rounds.py):
 - llamacpp_target_only: llama-completion, llama.cpp's plain decoding (the speed-up baseline);
@@ -9,12 +10,18 @@ On the same prompts, greedy, one thread, interleaved prompt by prompt (benchmark
   logits depend on how many tokens a pass holds, so where this output differs from the baseline's, no
   speculation (whose verification passes hold K + 1 tokens) can be expected to reproduce it exactly;
 - llamacpp_ngram: llama.cpp's n-gram speculation (llama-speculative-simple --spec-type ngram-simple);
-- llamacpp_eagle3_chain: the drafter exported as GGUF (speculators/formats/gguf.py), --spec-type draft-eagle3;
-- ours_target_only, ours_eagle3_chain: our engine (inference/engine.py) on the same target file.
+- llamacpp_<family>_chain: the drafter exported as GGUF (speculators/formats/gguf.py), --spec-type
+  draft-<family> (the family its config.json names), K drafts a step. DSpark: with --spec-draft-p-min 0,
+  its confidence threshold off, so every step drafts K as ours does;
+- llamacpp_dspark_confidence (DSpark, confidence_min set): llama.cpp's variable length, each step's draft
+  cut at the first slot whose confidence head (a sigmoid) is below confidence_min; llama.cpp's alone;
+- ours_target_only, ours_<family>_chain: our engine (inference/engine.py) on the same target file.
 llama.cpp's figures are its decode speed (after the prompt pass), ours wall time with the prompt.
-Outputs are compared with llama.cpp's plain continuation over their common length (speculative-simple
-may run past n_predict by part of a draft). Parity: llama.cpp's accepted share of draft tokens beside
-our engine's for the same drafter, target, prompts and K.
+Outputs are compared with llama.cpp's plain continuation and with their own engine's over their common length
+(speculative-simple may run past n_predict by part of a draft). Parity: llama.cpp's accepted share of draft tokens and tau
+(1 + accepted / drafts) beside our engine's for the same drafter, target, prompts and K.
+DSpark's block: llama.cpp runs [anchor, MASK x (K-1)], ours the trained [anchor, MASK x (B-1)], and the
+block's attention is not causal, so below K = B the two engines' drafts may differ by design.
 """
 
 import json
@@ -38,18 +45,21 @@ from speculators.quant import QuantConfig
 
 @dataclass
 class LlamacppBenchConfig:
-    drafter: str = "???"  # an EAGLE-3 export whose target is a GGUF file
+    drafter: str = "???"  # an EAGLE-3 or DSpark export whose target is a GGUF file
     eval: EvalConfig = field(default_factory=lambda: EvalConfig("mtbench", num_prompts=4))
     max_new_tokens: int = 128
     k: int | None = None  # K of both engines' chains; None: the drafter's own
     ngram_draft_max: int = 3  # llama.cpp's n-gram drafts
     repeats: int = 3
     threads: int = 1
+    confidence_min: float | None = 0.5  # DSpark: also llama.cpp's confidence-cut drafts at this threshold; None: not
     out: str | None = None  # None: the Hydra run directory
 
     def __post_init__(self):
         require(self.k is None or self.k >= 1, "k",
                 self.k, ">= 1, or null for the drafter's own")
+        require(self.confidence_min is None or 0 < self.confidence_min < 1, "confidence_min", self.confidence_min,
+                "in (0, 1), or null for no confidence-cut arm")
         at_least(1, max_new_tokens=self.max_new_tokens, ngram_draft_max=self.ngram_draft_max, repeats=self.repeats,
                  threads=self.threads)
 
@@ -63,6 +73,7 @@ class Run:
     continuation: str  # the generated text
     drafted: int = 0
     accepted: int = 0
+    drafts: int | None = None  # verification steps with a draft; None where the engine did not count them
 
 
 def after_prompt(text: str, prompt: str) -> str:
@@ -75,7 +86,7 @@ def after_prompt(text: str, prompt: str) -> str:
 
 def ways(target, drafter, draft_gguf: Path, k: int, cfg: LlamacppBenchConfig) -> dict:
     """name -> function(Prompt) -> Run."""
-    source, n, threads = gguf_file.locate(target.name_or_path), cfg.max_new_tokens, cfg.threads
+    source, n, threads, family = gguf_file.locate(target.name_or_path), cfg.max_new_tokens, cfg.threads, drafter.cfg.family
 
     def text(p: Prompt) -> str:  # the templated prompt, special tokens as text (llama.cpp parses them)
         return target.tokenizer.decode(p.ids)
@@ -86,12 +97,12 @@ def ways(target, drafter, draft_gguf: Path, k: int, cfg: LlamacppBenchConfig) ->
             return Run(r.n_predict, r.n_predict / r.decode_tokens_per_s, after_prompt(r.text, text(p)))
         return way
 
-    def speculative(draft: Path | None, spec_type: str, draft_max: int):
+    def speculative(draft: Path | None, spec_type: str, draft_max: int, p_min: float | None = None):
         def way(p: Prompt) -> Run:
             r = llamacpp.speculative_simple(source, draft, text(p), n, draft_max=draft_max, spec_type=spec_type,
-                                            threads=threads)
+                                            threads=threads, p_min=p_min)
             return Run(r.n_predict, r.n_predict / r.decode_tokens_per_s, after_prompt(r.text, text(p)),
-                       r.n_drafted, r.n_accept)
+                       r.n_drafted, r.n_accept, r.n_drafts)
         return way
 
     def ours(k_: int):
@@ -99,14 +110,25 @@ def ways(target, drafter, draft_gguf: Path, k: int, cfg: LlamacppBenchConfig) ->
             result = generate(target, drafter if k_ else None, p.ids, n, k_)
             s = result.stats
             return Run(len(result.tokens), s.ttft_s + s.decode_s, target.tokenizer.decode(result.tokens),
-                       s.num_draft_tokens, s.num_accepted_tokens)
+                       s.num_draft_tokens, s.num_accepted_tokens, s.num_drafts)
         return way
 
+    arms = {name: speculative(draft_gguf, f"draft-{family}", k, p_min)
+            for name, p_min in drafter_arms(family, cfg.confidence_min).items()}
     return {"llamacpp_target_only": plain(),
             "llamacpp_target_only_ubatch1": plain(ubatch=1),  # the prompt one token per pass: same output?
             "llamacpp_ngram": speculative(None, "ngram-simple", cfg.ngram_draft_max),
-            "llamacpp_eagle3_chain": speculative(draft_gguf, "draft-eagle3", k),
-            "ours_target_only": ours(0), "ours_eagle3_chain": ours(k)}
+            **arms, "ours_target_only": ours(0), f"ours_{family}_chain": ours(k)}
+
+
+def drafter_arms(family: str, confidence_min: float | None) -> dict[str, float | None]:
+    """llama.cpp's arms serving the drafter: name -> --spec-draft-p-min (None: not passed)."""
+    if family != "dspark":
+        return {f"llamacpp_{family}_chain": None}
+    arms = {"llamacpp_dspark_chain": 0.0}  # the confidence cut off: K drafts every step, as ours
+    if confidence_min is not None:
+        arms["llamacpp_dspark_confidence"] = confidence_min
+    return arms
 
 
 def same_output(runs: list[Run], baseline: list[Run]) -> bool:
@@ -118,23 +140,36 @@ def same_output(runs: list[Run], baseline: list[Run]) -> bool:
 
 
 def run(target, drafter, prompts: list[Prompt], cfg: LlamacppBenchConfig, draft_gguf: Path) -> dict:
-    k = serving_k(drafter, cfg.k)
+    k, family = serving_k(drafter, cfg.k), drafter.cfg.family
     timed = rounds.interleaved(ways(target, drafter, draft_gguf, k, cfg), prompts, cfg.repeats,
                                count=lambda r, _: (r.tokens, r.seconds))
     rows = {}
     for name, t in timed.items():
-        engine = name.split("_")[0]
-        base = timed[f"{engine}_target_only"]
-        drafted, accepted = sum(r.drafted for r in t.results), sum(r.accepted for r in t.results)
+        base = timed[f"{name.split('_')[0]}_target_only"]
         rows[name] = {"tokens_per_second": t.median_tokens_per_s(),
                       "speedup": t.median_tokens_per_s() / base.median_tokens_per_s(),
                       "speedup_over_llamacpp": t.median_tokens_per_s() / timed["llamacpp_target_only"].median_tokens_per_s(),
                       "outputs_match_llamacpp_target_only": same_output(t.results, timed["llamacpp_target_only"].results),
-                      "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
-                      "acceptance_rate": accepted / drafted if drafted else None, "seconds": t.seconds}
-    ours, theirs = rows["ours_eagle3_chain"]["acceptance_rate"], rows["llamacpp_eagle3_chain"]["acceptance_rate"]
-    parity = {"ours": ours, "llamacpp": theirs, "relative_difference": abs(theirs - ours) / ours if ours else None}
-    return {"k": k, "methods": rows, "acceptance_parity": parity}
+                      "outputs_match_own_target_only": same_output(t.results, base.results),  # same engine's plain
+                      **draft_counts(t.results), "seconds": t.seconds}
+    ours, theirs = rows[f"ours_{family}_chain"], rows[f"llamacpp_{family}_chain"]
+    parity = {"ours": ours["acceptance_rate"], "llamacpp": theirs["acceptance_rate"],
+              "relative_difference": relative(theirs["acceptance_rate"], ours["acceptance_rate"]),
+              "tau_ours": ours["tau"], "tau_llamacpp": theirs["tau"]}
+    return {"k": k, "family": family, "methods": rows, "acceptance_parity": parity}
+
+
+def draft_counts(runs: list[Run]) -> dict:
+    """Draft tokens, accepted ones, drafts, their accepted share and tau = 1 + accepted / drafts."""
+    drafted, accepted = sum(r.drafted for r in runs), sum(r.accepted for r in runs)
+    drafts = None if any(r.drafts is None for r in runs) else sum(r.drafts for r in runs)
+    return {"num_draft_tokens": drafted, "num_accepted_tokens": accepted, "num_drafts": drafts,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "tau": 1 + accepted / drafts if drafts else None}
+
+
+def relative(theirs: float | None, ours: float | None) -> float | None:
+    return abs(theirs - ours) / ours if theirs is not None and ours else None
 
 
 def check_gguf_target(target) -> None:
@@ -144,14 +179,22 @@ def check_gguf_target(target) -> None:
 
 
 def table(result: dict) -> str:
-    lines = [f"{'method':<28} {'tokens/s':>9} {'speed-up':>9} {'accepted':>9} {'same output':>12}"]
+    lines = [f"{'method':<28} {'tokens/s':>9} {'speed-up':>9} {'drafted':>8} {'accepted':>9} {'tau':>6} "
+             f"{'= llama.cpp plain':>17} {'= own plain':>11}"]
     for name, row in result["methods"].items():
-        rate = f"{row['acceptance_rate']:.1%}" if row["acceptance_rate"] is not None else "-"
-        lines.append(f"{name:<28} {row['tokens_per_second']:>9.1f} {row['speedup']:>8.2f}x {rate:>9} "
-                     f"{str(row['outputs_match_llamacpp_target_only']):>12}")
+        rate = percent(row["acceptance_rate"])
+        tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
+        lines.append(f"{name:<28} {row['tokens_per_second']:>9.1f} {row['speedup']:>8.2f}x "
+                     f"{row['num_draft_tokens']:>8} {rate:>9} {tau:>6} {str(row['outputs_match_llamacpp_target_only']):>17} "
+                     f"{str(row['outputs_match_own_target_only']):>11}")
     p = result["acceptance_parity"]
-    lines.append(f"accepted share of draft tokens, K={result['k']}: llama.cpp {p['llamacpp']:.1%}, ours {p['ours']:.1%}")
+    lines.append(f"accepted share of draft tokens, {result['family']} K={result['k']}: llama.cpp "
+                 f"{percent(p['llamacpp'])}, ours {percent(p['ours'])}")
     return "\n".join(lines)
+
+
+def percent(share: float | None) -> str:
+    return f"{share:.1%}" if share is not None else "-"
 
 
 def measure(drafter_path: str, drafter, target, cfg: LlamacppBenchConfig, out: Path) -> dict:

@@ -191,6 +191,7 @@ class SpeculativeRun:
     decode_tokens_per_s: float
     prompt_tokens_per_s: float
     text: str  # the prompt and the generated text
+    n_drafts: int | None = None  # drafts (verification steps with a draft); None: its statistics line is absent
 
     @property
     def acceptance(self) -> float:
@@ -199,14 +200,25 @@ class SpeculativeRun:
 
 def speculative_simple(target: Path, draft: Path | None, prompt: str, n_predict: int = 32, draft_max: int = 4,
                        spec_type: str = "draft-eagle3", threads: int = 1, context: int = 2048,
-                       timeout: float = 600) -> SpeculativeRun:
+                       timeout: float = 600, p_min: float | None = None) -> SpeculativeRun:
     """Greedy speculative generation of `n_predict` tokens after `prompt` with llama.cpp: target GGUF `-m`,
-    draft GGUF `-md` (draft-eagle3 for speculators/formats/gguf.py's files; None for ngram-simple)."""
-    command = [str(build() / "llama-speculative-simple"), "-m", str(target), *(["-md", str(draft)] if draft else []),
-               "--spec-type", spec_type, "--spec-draft-n-max", str(draft_max), "-p", prompt, "-n", str(n_predict),
-               "-c", str(context), "-t", str(threads), "-td", str(threads), "--temp", "0", "--seed", "0"]
+    draft GGUF `-md` (draft-eagle3 or draft-dspark for speculators/formats/gguf.py's files; None for
+    ngram-simple). `p_min`: --spec-draft-p-min, which draft-dspark reads as its confidence threshold (0: off)."""
+    command = speculative_command(build() / "llama-speculative-simple", target, draft, prompt, n_predict, draft_max,
+                                  spec_type, threads, context, p_min)
     done = run_logged(command, "llama-speculative-simple", timeout)
     return parse_speculative(done.stdout, done.stderr)
+
+
+def speculative_command(tool: Path, target: Path, draft: Path | None, prompt: str, n_predict: int, draft_max: int,
+                        spec_type: str, threads: int, context: int, p_min: float | None) -> list[str]:
+    """llama-speculative-simple's command line, greedy."""
+    # -lv 4 (trace) adds the drafter's statistics line, which counts the drafts; not the per-token debug lines.
+    return [str(tool), "-m", str(target), *(["-md", str(draft)] if draft else []),
+            "--spec-type", spec_type, "--spec-draft-n-max", str(draft_max),
+            *(["--spec-draft-p-min", str(p_min)] if p_min is not None else []),
+            "-p", prompt, "-n", str(n_predict), "-c", str(context), "-t", str(threads), "-td", str(threads),
+            "--temp", "0", "--seed", "0", "-lv", "4"]
 
 
 def run_logged(command: list[str], name: str, timeout: float) -> subprocess.CompletedProcess:
@@ -233,7 +245,15 @@ def parse_speculative(stdout: str, stderr: str) -> SpeculativeRun:
     return SpeculativeRun(n_predict=int(number(r"n_predict = (\d+)")), n_drafted=int(number(r"n_drafted = (\d+)")),
                           n_accept=int(number(r"n_accept  = (\d+)")),
                           decode_tokens_per_s=number(r"decoded .*" + speed),
-                          prompt_tokens_per_s=number(r"encoded .*" + speed), text=stdout.strip())
+                          prompt_tokens_per_s=number(r"encoded .*" + speed), text=stdout.strip(),
+                          n_drafts=drafts_made(stderr))
+
+
+def drafts_made(stderr: str) -> int | None:
+    """The drafts the drafter's statistics line counts ("#gen drafts = N", logged at trace level), summed over
+    its lines (one per speculative implementation); None where the log has none."""
+    found = re.findall(r"#gen drafts =\s*(\d+)", stderr)
+    return sum(int(n) for n in found) if found else None
 
 
 @dataclass
