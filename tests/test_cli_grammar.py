@@ -34,6 +34,7 @@ COMMANDS = {
     "benchmarks.memory_plan": ("seq_lenn=64", "seq_len", "target"),
     "benchmarks.parity": ("referencee=x", "reference", "drafter"),
     "benchmarks.peer": ("stepz=3", "steps", None),
+    "benchmarks.peers.dspark_bench": ("stepz=3", "steps", None),
     "benchmarks.planning": ("max_new_tokenz=3", "max_new_tokens", None),
     "benchmarks.quant_bench": ("repeatz=2", "repeats", "out"),
     "benchmarks.quant_report": ("group_sizee=32", "group_size", "drafter"),

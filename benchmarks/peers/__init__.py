@@ -3,6 +3,8 @@
 trains on (train/data.py's split, rendering and loss mask), its drafter converted to our export.
 
 - speculators_peer.py: vLLM's speculators 0.9.0 (speculators_worker.py runs inside its venv)
+- speculators_dspark.py: the same speculators training its DSpark, on speculators_peer.py's rows and hidden states
+- dspark_bench.py: our DSpark beside speculators' on the same rows and steps, served by our engine
 - modelopt_peer.py: NVIDIA ModelOpt 0.47's EAGLE-3 (modelopt_worker.py runs inside its venv)
 
 A worker never imports this project (vLLM's package is also called `speculators`): they meet in files.

@@ -4,6 +4,7 @@ this project. Three stages, each standing in for what speculators does with a vL
     python speculators_worker.py data ROWS OUT TARGET SEQ_LEN ~ `speculators prepare-data` (rows already rendered and masked)
     python speculators_worker.py hidden OUT TARGET L... ~ `speculators generate-offline-data`, transformers on the CPU
     python speculators_worker.py train ARGS...        = `speculators train ARGS...` with CPU patches in-process
+    python speculators_worker.py logits CKPT OUT      its DSpark's logits on random inputs, for our reader to match
 """
 
 import json
@@ -152,6 +153,32 @@ def train(argv: list[str]) -> None:
               f"{sum(t for _, t in steps) / len(steps):.0f}; process {time.perf_counter() - start:.1f} s", flush=True)
 
 
+def logits(checkpoint: str, out: str, anchors: str = "4", length: str = "64") -> None:
+    """OUT (safetensors): a DSpark checkpoint's Markov-biased logits and confidence logits, fp32, for `anchors`
+    blocks drawn by its own code on random features and tokens (one document, every token trained), with
+    those inputs and the anchors, as its training forward computes them before the loss."""
+    from safetensors.torch import save_file
+    from speculators.models.dspark import DSparkDraftModel
+
+    model = DSparkDraftModel.from_pretrained(checkpoint).float().eval()
+    model.load_verifier_weights()  # embed_tokens and the verifier's head: left out of its checkpoint
+    T, A, B = int(length), int(anchors), model.block_size
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(1, T, len(model.target_layer_ids) * model.hidden_size, generator=generator)
+    ids = torch.randint(0, model.verifier_vocab_size, (1, T), generator=generator)
+    ones, last = torch.ones(1, T, dtype=torch.long), torch.randn(1, T, model.hidden_size, generator=generator)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        hidden, base, _, _, index = model._backbone_forward(features, ids, ones, last, ones - 1, max_anchors=A)
+        tokens, hidden = ids[0, index].view(A, B), hidden.view(A, B, -1)  # sample_from_anchor: slot k follows token k
+        prev = model.markov_head.prev_embeddings(tokens)
+        biased = base.view(A, B, -1) + model.markov_head.block_bias(prev_token_ids=tokens, hidden_states=hidden, prev_emb=prev)
+        confidence = model.confidence_head(torch.cat([hidden, prev], -1))
+    save_file({"features": features, "input_ids": ids, "anchors": index.view(A, B)[:, 0].contiguous(),
+               "logits": biased.contiguous(), "confidence": confidence.contiguous()}, out)
+
+
 if __name__ == "__main__":
     stage, args = sys.argv[1], sys.argv[2:]
-    {"data": lambda: data(*args), "hidden": lambda: hidden(*args), "train": lambda: train(args)}[stage]()
+    {"data": lambda: data(*args), "hidden": lambda: hidden(*args), "train": lambda: train(args),
+     "logits": lambda: logits(*args)}[stage]()

@@ -67,6 +67,9 @@ def family_class(name: str) -> type:
                         f"known: {', '.join(families_of('speculators'))}") from None
 
 
+# speculators' own DFlash and DSpark checkpoints leave out embed_tokens, their mask token's row included (frozen
+# there): both are the target's, as vLLM serves them.
 register_format(Format("speculators", write, read,
                        lambda config: config["speculators_config"]["verifier"]["name_or_path"],
-                       lambda config: "speculators_model_type" in config, left_to_target=("embed_tokens.weight",)))
+                       lambda config: "speculators_model_type" in config,
+                       left_to_target=("embed_tokens.weight", "mask_embedding")))
