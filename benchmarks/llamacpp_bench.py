@@ -183,12 +183,12 @@ def table(result: dict) -> str:
              f"{'= llama.cpp plain':>17} {'= own plain':>11}"]
     for name, row in result["methods"].items():
         rate = percent(row["acceptance_rate"])
-        tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
+        tau = f"{row['tau']:.2f}" if row.get("tau") is not None else "-"  # records before tau was kept: "-"
         lines.append(f"{name:<28} {row['tokens_per_second']:>9.1f} {row['speedup']:>8.2f}x "
                      f"{row['num_draft_tokens']:>8} {rate:>9} {tau:>6} {str(row['outputs_match_llamacpp_target_only']):>17} "
-                     f"{str(row['outputs_match_own_target_only']):>11}")
+                     f"{str(row.get('outputs_match_own_target_only', '-')):>11}")
     p = result["acceptance_parity"]
-    lines.append(f"accepted share of draft tokens, {result['family']} K={result['k']}: llama.cpp "
+    lines.append(f"accepted share of draft tokens, {result.get('family', 'eagle3')} K={result['k']}: llama.cpp "
                  f"{percent(p['llamacpp'])}, ours {percent(p['ours'])}")
     return "\n".join(lines)
 
