@@ -1,0 +1,14 @@
+#!/bin/bash
+# Speed: every drafter of run.sh and the shipped EAGLE-3 at fixed K and with cost-aware verification
+# (drafting.plan), interleaved with target-only decoding prompt by prompt, median of 2 rounds, nothing beside:
+# the packed 4-bit target they were trained against, then the fp32 target (the three trained here, K=1 and 2).
+# 4 MT-bench first turns fit the calibration, the next 8 (packed) or 4 (fp32) are timed.
+#   bash results/smollm2/families_400/dspark/planning.sh RUNS
+set -e
+RUNS=${1:?usage: planning.sh RUNS_DIR}
+OUT=results/smollm2/families_400/dspark
+DRAFTERS="drafters=[$RUNS/dspark/export,$RUNS/dflash8/export,$RUNS/eagle3/export,models/smollm2-eagle3]"
+TRAINED="drafters=[$RUNS/dspark/export,$RUNS/dflash8/export,$RUNS/eagle3/export]"
+python -m benchmarks.planning "$TRAINED" quant=none eval=mtbench eval.turns=1 eval.num_prompts=8 calibration_prompts=4 "ks=[1,2]" max_new_tokens=64 repeats=2 out=$OUT/planning_fp32
+# not run on 2026-12-05 (no time left in the session); the packed target's plan rows are in results/smollm2/planning/
+# python -m benchmarks.planning "$DRAFTERS" quant=gguf eval=mtbench eval.turns=1 eval.num_prompts=12 calibration_prompts=4 "ks=[1,2,4]" max_new_tokens=64 repeats=2 out=$OUT/planning_packed
