@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -285,22 +286,32 @@ def run_logged(cfg: PeerBenchConfig, args: list[str], env: dict[str, str], folde
     return time.time() - started
 
 
+def train_once(cfg: PeerBenchConfig, folder: Path, label: str, ours: bool,
+               command: Callable[[], tuple[list[str], dict[str, str]]]) -> Path:
+    """One arm trained into `folder` by `command()`'s arguments and environment, logged and timed; an export
+    already there is reused (`command` is not called)."""
+    if (folder / "export" / "config.json").is_file():
+        print(f"{label}: {folder / 'export'} exists, reused", flush=True)
+        return folder
+    print(f"{label} -> {folder}", flush=True)
+    args, env = command()
+    run_logged(cfg, args, env, folder, "train", STEP_LINES["ours" if ours else "peer"])
+    return folder
+
+
 def train_arm(cfg: PeerBenchConfig, arm: str, steps: int) -> Path:
     folder = run_dir(cfg, arm, steps)
-    if (folder / "export" / "config.json").is_file():
-        print(f"{arm} at {steps} steps: {folder / 'export'} exists, reused", flush=True)
-        return folder
-    print(f"{arm} at {steps} steps -> {folder}", flush=True)
-    if arm in OUR_ARMS:
-        cache_dir = build_cache(cfg) / "cache" if arm == "ours_cached" else None
-        run_logged(cfg, ours_command(cfg, steps, folder, cache_dir), {}, folder, "train", STEP_LINES["ours"])
-    else:
+
+    def command() -> tuple[list[str], dict[str, str]]:
+        if arm in OUR_ARMS:
+            cache_dir = build_cache(cfg) / "cache" if arm == "ours_cached" else None
+            return ours_command(cfg, steps, folder, cache_dir), {}
         check_peer_venv(cfg, [arm])
-        args, env = peer_command(cfg, arm, steps, folder)
         if arm in PEER_ARMS:
             link_peer_data(cfg, folder)
-        run_logged(cfg, args, env, folder, "train", STEP_LINES["peer"])
-    return folder
+        return peer_command(cfg, arm, steps, folder)
+
+    return train_once(cfg, folder, f"{arm} at {steps} steps", arm in OUR_ARMS, command)
 
 
 def peer_prepare(cfg: PeerBenchConfig) -> Path:

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from test_dspark import make_dspark
 
 from benchmarks import peers
-from benchmarks.peers import dspark_bench, speculators_dspark
+from benchmarks.peers import dspark_bench, speculators_dspark, speculators_peer
 from speculators import export
 from speculators.formats.speculators import speculators_config
 
@@ -75,7 +75,7 @@ def their_checkpoint(drafter, folder: Path) -> Path:
 
 def test_their_checkpoint_reads_as_our_drafter_with_the_targets_embeddings(llama_target, text_batch, tmp_path):
     drafter = make_dspark(llama_target, text_batch, block_size=8)
-    out = speculators_dspark.export(their_checkpoint(drafter, tmp_path / "final"), tmp_path / "out")
+    out = speculators_peer.export(their_checkpoint(drafter, tmp_path / "final"), tmp_path / "out")
     config = json.loads((out / "config.json").read_text())
     assert config["target_hidden_size"] == drafter.target_hidden_size and "auto_map" not in config
     assert config["speculators_config"]["verifier"] == {"name_or_path": peers.TARGET, "architectures": []}

@@ -104,18 +104,15 @@ def peer_command(cfg: DSparkPeerConfig, folder: Path) -> tuple[list[str], dict[s
 
 def train_arm(cfg: DSparkPeerConfig, arm: str) -> Path:
     folder, pcfg = run_dir(cfg, arm), peer_config(cfg)
-    if (folder / "export" / "config.json").is_file():
-        print(f"{arm}: {folder / 'export'} exists, reused", flush=True)
-        return folder
-    print(f"{arm} at {cfg.steps} steps -> {folder}", flush=True)
-    if arm == "ours":
-        peer.run_logged(pcfg, ours_command(cfg, folder), {}, folder, "train", peer.STEP_LINES["ours"])
-    else:
+
+    def command() -> tuple[list[str], dict[str, str]]:
+        if arm == "ours":
+            return ours_command(cfg, folder), {}
         peer.peer_prepare(pcfg)  # rows and hidden states, once per N
         peer.link_peer_data(pcfg, folder)
-        args, env = peer_command(cfg, folder)
-        peer.run_logged(pcfg, args, env, folder, "train", peer.STEP_LINES["peer"])
-    return folder
+        return peer_command(cfg, folder)
+
+    return peer.train_once(pcfg, folder, f"{arm} at {cfg.steps} steps", arm == "ours", command)
 
 
 def record(cfg: DSparkPeerConfig, arm: str, folder: Path) -> dict:

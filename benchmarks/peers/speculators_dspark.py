@@ -27,14 +27,11 @@ drafts, one further); its loss is one masked mean over every slot (ours: a mean 
 
 import json
 import os
-import shutil
 import sys
-import time
 from pathlib import Path
 
-from benchmarks.peers import TARGET, target_folder
-from benchmarks.peers.speculators_peer import LAYERS, VENV, prepare, work_dir
-from common.config import UserError
+from benchmarks.peers import target_folder
+from benchmarks.peers.speculators_peer import LAYERS, VENV, prepare, report, train, work_dir
 
 
 def mask_token(rows_file: Path, vocab_size: int) -> int:
@@ -70,26 +67,6 @@ def train_args(target: Path, data: Path, work: Path, steps: int, env: dict[str, 
             "--epochs", "1000000", "--max-steps", str(steps), "--checkpoint-freq", "1000000", "--log-freq", "1",
             "--save-path", str(work / "ckpt"), "--log-dir", str(work / "logs"), "--seed", get("SEED", "0"),
             *env.get("EXTRA", "").split()]
-
-
-def export(checkpoint: Path, out: Path, target: str = TARGET) -> Path:
-    """speculators' DSpark checkpoint -> ours: target_hidden_size (null in 0.9.0's config when the widths agree)
-    from fc's input width, the verifier named as the GGUF we serve, the weights unchanged. It saves no
-    embed_tokens (the target's, its mask row included): our loader takes the target's, as speculators does."""
-    from safetensors import safe_open
-
-    config = json.loads((checkpoint / "config.json").read_text())
-    with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
-        fc_in = f.get_slice("fc.weight").get_shape()[1]
-    if config.get("target_hidden_size") is None:
-        config["target_hidden_size"] = fc_in // len(config["aux_hidden_state_layer_ids"])
-    config["speculators_config"]["verifier"] = {"name_or_path": target, "architectures": []}
-    config.pop("auto_map", None)  # names the checkpoint's own config.py
-    config["torch_dtype"] = config.get("dtype", "bfloat16")
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(checkpoint / "model.safetensors", out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
 
 
 def our_logits(export_dir: Path, inputs: dict, target: Path):
@@ -137,20 +114,11 @@ def run(n: int, steps: int, out: Path, work: Path | None = None, env: dict[str, 
     rows = work / "rows.json" if (work / "rows.json").is_file() else data.resolve().parent / "rows.json"
     mask = mask_token(rows, json.loads((target / "config.json").read_text())["vocab_size"])
     print(f"== speculators train --speculator-type dspark: {steps} steps, mask token {mask}", flush=True)
-    shutil.rmtree(work / "ckpt", ignore_errors=True)  # speculators resumes from --save-path: every run starts afresh
-    t = time.time()
     knobs = {"ADAMW_BETAS": env.get("ADAMW_BETAS") or "0.9,0.95"}
-    VENV.run("speculators_worker.py", ["train", *train_args(target, data, work, steps, env, mask)], threads, knobs)
-    seconds["training"] = time.time() - t
-    if not (work / "ckpt" / "final" / "model.safetensors").is_file():
-        raise UserError(f"speculators wrote no final checkpoint in {work / 'ckpt'}")
-    export(work / "ckpt" / "final", out)
-    print(f"== logits against speculators' own model: {json.dumps(logits_difference(work / 'ckpt' / 'final', out, work, threads))}",
+    final = train(work, train_args(target, data, work, steps, env, mask), threads, knobs, out, seconds)
+    print(f"== logits against speculators' own model: {json.dumps(logits_difference(final, out, work, threads))}",
           flush=True)
-    print("== seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in seconds.items())
-          + f" (OMP_NUM_THREADS={threads})", flush=True)
-    print(f"speculators checkpoint: {work / 'ckpt' / 'final'}\nproject export: {out}   "
-          f"(python -m inference drafter={out} quant=gguf eval=mtbench)", flush=True)
+    report(final, out, seconds, threads)
     return out
 
 

@@ -88,16 +88,18 @@ def prepare(n: int, work: Path, threads: int) -> tuple[Path, dict]:
 
 
 def export(checkpoint: Path, out: Path, target: str = TARGET) -> Path:
-    """speculators' checkpoint folder -> ours: target_hidden_size (null in 0.9.0's config when the draft and target
-    widths agree) from fc's input width, the verifier named as the GGUF we serve, the weights unchanged (fc,
-    layers.0.*, norm, lm_head, embed_tokens, d2t, t2d); optimizer and scheduler files left out."""
+    """speculators' checkpoint folder (EAGLE-3 or DSpark) -> ours: target_hidden_size (null in 0.9.0's config when
+    the draft and target widths agree) from fc's input width, the verifier named as the GGUF we serve, the weights
+    unchanged; optimizer and scheduler files left out. A DSpark checkpoint saves no embed_tokens (the target's, its
+    mask row included): our loader takes the target's, as speculators does."""
     from safetensors import safe_open
 
     config = json.loads((checkpoint / "config.json").read_text())
     with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
         fc_in = f.get_slice("fc.weight").get_shape()[1]
+    layer_ids = next(v for k, v in config.items() if k.endswith("aux_hidden_state_layer_ids"))
     if config.get("target_hidden_size") is None:
-        config["target_hidden_size"] = fc_in // len(config["eagle_aux_hidden_state_layer_ids"])
+        config["target_hidden_size"] = fc_in // len(layer_ids)
     config["speculators_config"]["verifier"] = {"name_or_path": target, "architectures": []}
     config.pop("auto_map", None)  # names the checkpoint's own config.py
     config["torch_dtype"] = config.get("dtype", "bfloat16")
@@ -105,6 +107,27 @@ def export(checkpoint: Path, out: Path, target: str = TARGET) -> Path:
     shutil.copyfile(checkpoint / "model.safetensors", out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def train(work: Path, args: list[str], threads: int, knobs: dict[str, str], out: Path, seconds: dict) -> Path:
+    """`speculators train` with `args` into WORK/ckpt (afresh: speculators resumes from --save-path), its final
+    checkpoint exported to OUT; the checkpoint's folder. Adds the training's seconds to `seconds`."""
+    shutil.rmtree(work / "ckpt", ignore_errors=True)
+    t = time.time()
+    VENV.run("speculators_worker.py", ["train", *args], threads, knobs)
+    seconds["training"] = time.time() - t
+    final = work / "ckpt" / "final"
+    if not (final / "model.safetensors").is_file():
+        raise UserError(f"speculators wrote no final checkpoint in {work / 'ckpt'}")
+    export(final, out)
+    return final
+
+
+def report(final: Path, out: Path, seconds: dict, threads: int) -> None:
+    print("== seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in seconds.items())
+          + f" (OMP_NUM_THREADS={threads})", flush=True)
+    print(f"speculators checkpoint: {final}\nproject export: {out}   "
+          f"(python -m inference drafter={out} quant=gguf eval=mtbench)", flush=True)
 
 
 def run(n: int, steps: int, out: Path, work: Path | None = None, env: dict[str, str] | None = None) -> Path | None:
@@ -115,18 +138,9 @@ def run(n: int, steps: int, out: Path, work: Path | None = None, env: dict[str, 
     if steps == 0:
         return None
     print(f"== speculators train: {steps} steps", flush=True)
-    shutil.rmtree(work / "ckpt", ignore_errors=True)  # speculators resumes from --save-path: every run starts afresh
-    t = time.time()
     knobs = {k: env[k] for k in ("ADAMW_BETAS",) if k in env} or {"ADAMW_BETAS": "0.9,0.95"}
-    VENV.run("speculators_worker.py", ["train", *train_args(target_folder(), data, work, steps, env)], threads, knobs)
-    seconds["training"] = time.time() - t
-    if not (work / "ckpt" / "final" / "model.safetensors").is_file():
-        raise UserError(f"speculators wrote no final checkpoint in {work / 'ckpt'}")
-    export(work / "ckpt" / "final", out)
-    print("== seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in seconds.items())
-          + f" (OMP_NUM_THREADS={threads})", flush=True)
-    print(f"speculators checkpoint: {work / 'ckpt' / 'final'}\nproject export: {out}   "
-          f"(python -m inference drafter={out} quant=gguf eval=mtbench)", flush=True)
+    final = train(work, train_args(target_folder(), data, work, steps, env), threads, knobs, out, seconds)
+    report(final, out, seconds, threads)
     return out
 
 
