@@ -12,7 +12,7 @@ repeat so every method sees the same machine load; figures are medians over repe
 - hf_greedy: transformers' generate (for reference: how fast the stock loop is);
 - speculative_chain_min_prob<p>: chains of K that stop before a draft the drafter's top probability is below p
   (drafting.chain_min_prob, llama.cpp's --draft-p-min), for each p in chain_min_probs;
-- speculative_chain_k<K>_lookup: chains of K behind n-gram lookup (inference.drafting.LookupProposer: a
+- speculative_chain_k<K>_lookup: chains of K behind n-gram lookup (inference.lookup.LookupProposer: a
   lookup chain when the context's last n tokens occurred before, the drafter's chain otherwise), for each
   K in lookup_chain_lengths;
 - hf_prompt_lookup: transformers' prompt-lookup decoding (n-gram drafts from the context, the same

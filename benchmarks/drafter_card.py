@@ -7,7 +7,7 @@ Every figure comes from this run. Acceptance comes from the one evaluation loop 
 interleaved benchmark (benchmarks/bench.py `run`). Served on the target the drafter was trained
 against (training.json's quant, e.g. gguf: the file's own 4-bit blocks):
 - acceptance: MT-bench first and second turns in chains of K, alone and behind n-gram lookup
-  (inference.drafting.LookupProposer), first turns in trees, ShareGPT's test split, and MT-bench first
+  (inference.lookup.LookupProposer), first turns in trees, ShareGPT's test split, and MT-bench first
   turns at temperature 1 (lossless sampling);
 - speed on MT-bench first turns, on the fp32 target and on the served (packed) one: target-only
   decoding in our engine, speculative chains (fixed, and ending where the drafter is unsure) and trees,

@@ -14,12 +14,7 @@ A Proposer lives for one generation and holds the drafter's cache:
 
 The table PROPOSERS maps (drafter.drafting_kind, mode) to a proposer class.
 
-Batches (engine.generate_batch) draft chains only, through a BatchProposer (BATCH_PROPOSERS,
-by drafting_kind): `accept(inputs [B, m], target_out, counts [B])` (the prefill too: the
-left-padded prompts shifted by one, then the first token; row r's tokens are its first
-counts[r], the rest are holes), `propose(temperature, generator) -> (tokens [B, k], q [B, k, V]
-or None)`, and `select(index)` to keep the rows still decoding. The drafter's cache slots are
-the target session's (inference.sessions.BatchSlots): the same positions, pads and holes.
+Batches (engine.generate_batch) draft chains through inference/batch_drafting.py.
 """
 
 from dataclasses import dataclass
@@ -27,8 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from common.config import UserError, at_least, one_of, require
+from inference.draft import Draft, draft_distribution, planned, sample
+from inference.lookup import LookupProposer
 from inference.planning import logit
-from inference.sessions import BatchSlots, open_session
+from inference.sessions import open_session
 from speculators.target import TargetOutput
 
 
@@ -77,59 +74,6 @@ class DraftingConfig:
     def lookup_length(self, k: int) -> int:
         """Tokens in a lookup chain next to the drafter's K; 0 with lookup off."""
         return (self.prompt_lookup_tokens or k) if self.prompt_lookup_max else 0
-
-
-@dataclass
-class Draft:
-    tokens: list[int]  # target-vocab ids, parents before children
-    parents: list[int]  # index of each node's parent in `tokens`; -1 = the root
-    probs: torch.Tensor | None = None  # [n, V] draft distribution q per node (chain sampling only)
-    looked_up: bool = False  # an n-gram lookup's chain (LookupProposer), not the drafter's
-    estimates: list[float] | None = None  # per chain node: the calibrated chance it is accepted if its parent is
-
-    @classmethod
-    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None, looked_up: bool = False,
-              estimates: list[float] | None = None) -> "Draft":
-        return cls(tokens, list(range(-1, len(tokens) - 1)), probs, looked_up, estimates)
-
-    def prefix(self, n: int) -> "Draft":
-        """The chain's first n drafts."""
-        return Draft.chain(self.tokens[:n], None if self.probs is None else self.probs[:n], self.looked_up,
-                           None if self.estimates is None else self.estimates[:n])
-
-    @property
-    def is_chain(self) -> bool:
-        return self.parents == list(range(-1, len(self.tokens) - 1))
-
-    def depths(self) -> list[int]:
-        """Depth of each node: 1 for the root's children."""
-        depth = []
-        for parent in self.parents:
-            depth.append(1 if parent < 0 else depth[parent] + 1)
-        return depth
-
-    def tree_mask(self) -> torch.Tensor:
-        """[n+1, n+1] bool over [root, *nodes]: row i sees itself and its ancestors."""
-        n = len(self.tokens)
-        mask = torch.eye(n + 1, dtype=torch.bool)
-        mask[:, 0] = True
-        for i, parent in enumerate(self.parents):
-            if parent >= 0:
-                mask[i + 1] |= mask[parent + 1]
-        return mask
-
-
-def draft_distribution(to_target: torch.Tensor, vocab_size: int, draft_logits: torch.Tensor,
-                       temperature: float) -> torch.Tensor:
-    """q over the target vocabulary: the drafter's tempered softmax, zero outside the draft vocab."""
-    q = torch.zeros(vocab_size, device=draft_logits.device)
-    q[to_target] = torch.softmax(draft_logits / temperature, -1)
-    return q
-
-
-def sample(q: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row of q from the seeded CPU generator, wherever q lives."""
-    return torch.multinomial(q.cpu(), 1, generator=generator)
 
 
 class DrafterCacheProposer:
@@ -305,81 +249,6 @@ def make_proposer(drafter, k: int, vocab_size: int, max_len: int, drafting: Draf
     return proposer
 
 
-class LookupProposer:
-    """N-gram lookup in front of a drafter (prompt lookup, Saxena 2023; vLLM's ngram; the suffix
-    matching of SuffixDecoding and Arctic Inference's hybrid): when the last n tokens of the
-    context (prompt and emitted tokens), n from prompt_lookup_max down to prompt_lookup_min,
-    occurred before, the chain is the up to prompt_lookup_tokens (default K) tokens that followed
-    their latest occurrence;
-    otherwise the drafter proposes. Small targets loop and quote their prompt, where a lookup is
-    right more often than the drafter and costs no drafter pass. The drafter still reads every
-    accepted position, so its cache stays whole. A lookup draft is a point mass: q(x) = 1, so
-    rejection sampling accepts it with probability p(x) and stays lossless."""
-
-    def __init__(self, drafter_proposer, k: int, vocab_size: int, drafting: DraftingConfig):
-        self.inner, self.vocab_size = drafter_proposer, vocab_size
-        self.length = drafting.lookup_length(k)
-        self.sizes = range(drafting.prompt_lookup_max, drafting.prompt_lookup_min - 1, -1)
-        self.context: list[int] = []
-        self.last_seen: dict[tuple, int] = {}  # n-gram -> where the token after its latest occurrence is
-        self.reached = [0] * self.length  # lookup drafts verified with their position i's parent accepted
-        self.survived = [0] * self.length  # ... and position i accepted too
-        self.looked_up: list[int] | None = None  # the lookup chain being verified
-
-    @property
-    def planner(self):
-        return getattr(self.inner, "planner", None)
-
-    @planner.setter
-    def planner(self, planner) -> None:
-        self.inner.planner = planner
-
-    def prefill(self, prompt: list[int], token: int, target_out: TargetOutput) -> None:
-        self.extend(prompt + [token])
-        self.inner.prefill(prompt, token, target_out)
-
-    def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
-        if self.looked_up is not None:
-            accepted = len(new_tokens) - 1
-            for i in range(min(accepted + 1, len(self.looked_up))):
-                self.reached[i] += 1
-                self.survived[i] += i < accepted
-            self.looked_up = None
-        self.extend(new_tokens)
-        self.inner.accept(new_tokens, target_out)
-
-    def extend(self, tokens: list[int]) -> None:
-        """Index the n-grams that now have a token after them (the context's own suffix stays out)."""
-        start = len(self.context)
-        self.context += tokens
-        for end in range(max(start, 1), len(self.context)):
-            for n in self.sizes:
-                if end >= n:
-                    self.last_seen[tuple(self.context[end - n : end])] = end
-
-    def propose(self, temperature: float, generator: torch.Generator) -> Draft:
-        for n in self.sizes:
-            after = self.last_seen.get(tuple(self.context[-n:]))
-            if after is not None:
-                tokens = self.context[after : after + self.length]
-                draft = Draft.chain(tokens, point_masses(tokens, self.vocab_size) if temperature else None, True)
-                draft = planned(self.planner, draft, self.survival_rates(len(tokens)))
-                self.looked_up = draft.tokens
-                return draft
-        return self.inner.propose(temperature, generator)
-
-    def survival_rates(self, n: int) -> torch.Tensor:
-        """Lookup's own estimate per position: how often a lookup draft there survived, Laplace-smoothed."""
-        return torch.tensor([(self.survived[i] + 1) / (self.reached[i] + 2) for i in range(n)])
-
-
-def point_masses(tokens: list[int], vocab_size: int) -> torch.Tensor:
-    """[n, V]: q of a draft that is certain of each token."""
-    q = torch.zeros(len(tokens), vocab_size)
-    q[torch.arange(len(tokens)), tokens] = 1.0
-    return q
-
-
 class ParallelProposer(DrafterCacheProposer):
     """P-EAGLE (speculators.peagle): one drafter pass per draft. `accept` only records the
     verified positions; `propose` appends them to the drafter's caches and, in the same pass,
@@ -412,16 +281,6 @@ def independent_drafts(to_target, vocab_size: int, logits: torch.Tensor, tempera
         return Draft.chain(to_target[logits.argmax(-1)].tolist())
     q = torch.stack([draft_distribution(to_target, vocab_size, row, temperature) for row in logits])
     return Draft.chain(sample(q, generator)[:, 0].tolist(), q)
-
-
-def planned(planner, draft: Draft, top: torch.Tensor) -> Draft:
-    """The prefix of a chain whose drafts were made at once that the planner verifies (at least one draft), from
-    the drafter's top probability per draft, `top` [n]."""
-    if planner is None:
-        return draft
-    estimates = [planner.calibrated(i + 1, logit(float(p))) for i, p in enumerate(top)]
-    kept = max(planner.best_length(estimates), 1)
-    return Draft.chain(draft.tokens, draft.probs, draft.looked_up, estimates).prefix(kept)
 
 
 PROPOSERS["parallel", "chain"] = ParallelProposer
@@ -553,77 +412,3 @@ class SelfProposer:
 
 
 PROPOSERS["self", "chain"] = SelfProposer
-
-
-# --- batches ------------------------------------------------------------------------------------
-
-
-class BatchChainProposer:
-    """ChainProposer for a batch: every row drafts k tokens, one drafter step per draft for all rows
-    at once. Same cache indexing: slot s holds (token s+1, features of s)."""
-
-    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, slots: BatchSlots, device=None):
-        self.drafter, self.k, self.vocab_size, self.slots = drafter, k, vocab_size, slots
-        self.to_target = drafter.draft_to_target
-        self.cache = drafter.new_cache(len(slots), max_len, device)
-
-    def step(self, tokens: torch.Tensor, hidden: torch.Tensor):
-        """drafter.step at each row's own positions, pads and holes hidden."""
-        start, end = self.cache.length, self.cache.length + tokens.shape[1]
-        return self.drafter.step(self.cache, tokens, hidden, positions=self.slots.positions(start, end)[:, None],
-                                 visible=self.slots.visible(start, end))
-
-    def accept(self, inputs: torch.Tensor, target_out: TargetOutput, counts: torch.Tensor) -> None:
-        logits, hidden = self.step(inputs, self.drafter.features(target_out))
-        rows, last = torch.arange(len(counts), device=counts.device), counts - 1  # each row drafts from its last token
-        self.logits, self.hidden = logits[rows, last][:, None], hidden[rows, last][:, None]
-
-    def propose(self, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        verified, tokens, probs = self.cache.length, [], []
-        logits, hidden = self.logits, self.hidden
-        for i in range(self.k):
-            if i:
-                logits, hidden = self.step(tokens[-1][:, None], hidden)
-            if temperature == 0:
-                tokens.append(self.to_target[logits[:, -1].argmax(-1)])
-            else:
-                q = logits.new_zeros(len(logits), self.vocab_size)
-                q[:, self.to_target] = torch.softmax(logits[:, -1] / temperature, -1)  # q in the target vocabulary
-                tokens.append(sample(q, generator)[:, 0].to(q.device))
-                probs.append(q)
-        self.cache.crop(verified)
-        return torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None
-
-    def select(self, index: torch.Tensor) -> None:
-        """Keep the rows `index`; the caller selects the slots."""
-        self.cache.k, self.cache.v = self.cache.k[index], self.cache.v[index]
-
-
-class BatchMedusaChainProposer(MedusaChainProposer):
-    """MedusaChainProposer for a batch: no drafter cache, each row's heads read its last position."""
-
-    def __init__(self, drafter, k: int, vocab_size: int, max_len: int, slots: BatchSlots, device=None):
-        super().__init__(drafter, k, vocab_size, max_len, DraftingConfig(), device)
-
-    def accept(self, inputs: torch.Tensor, target_out: TargetOutput, counts: torch.Tensor) -> None:
-        last = target_out.last_hidden[torch.arange(len(counts), device=counts.device), counts - 1]
-        self.logits = self.drafter.head_logits(last)[:, : self.k]  # [B, k, V]
-
-    def propose(self, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if temperature == 0:
-            return self.logits.argmax(-1), None
-        q = torch.softmax(self.logits / temperature, -1)
-        return sample(q.flatten(0, 1), generator).view(q.shape[:2]).to(q.device), q
-
-    def select(self, index: torch.Tensor) -> None:
-        pass  # accept() replaces the only state
-
-
-BATCH_PROPOSERS = {"autoregressive": BatchChainProposer, "heads": BatchMedusaChainProposer}
-
-
-def make_batch_proposer(drafter, k: int, vocab_size: int, max_len: int, slots: BatchSlots, device=None):
-    kind = drafter.drafting_kind
-    if kind not in BATCH_PROPOSERS:
-        raise UserError(f"batches of prompts are not served for a {type(drafter).__name__} yet; use batch_size=1")
-    return BATCH_PROPOSERS[kind](drafter, k, vocab_size, max_len, slots, device)

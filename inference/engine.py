@@ -28,7 +28,9 @@ import torch
 
 import forge_kernels as kernels
 from common.config import UserError
-from inference.drafting import Draft, DraftingConfig, make_batch_proposer, make_proposer
+from inference.batch_drafting import make_batch_proposer
+from inference.draft import Draft
+from inference.drafting import DraftingConfig, make_proposer
 from inference.planning import make_planner
 from inference.sessions import BatchSlots, open_session
 from speculators.target import FrozenTarget, TargetOutput

@@ -178,7 +178,7 @@ class StaticSession:
     def __call__(self, tokens: torch.Tensor, tree: torch.Tensor | None = None,
                  depths: torch.Tensor | None = None) -> TargetOutput:
         """Run `tokens` [1, m] after the cache. A tree draft passes `tree` [m, m] (row i sees
-        itself and its ancestors, inference.drafting.Draft.tree_mask) and `depths` [m]
+        itself and its ancestors, inference.draft.Draft.tree_mask) and `depths` [m]
         (rotary positions start + depth); the default is a causal chain."""
         model, start = self.target.model.model, self.length
         end = start + tokens.shape[1]

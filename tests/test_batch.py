@@ -22,7 +22,8 @@ from test_medusa import make_medusa
 
 from common.config import UserError
 from inference import engine, evalsets, report
-from inference.drafting import ChainProposer, DraftingConfig, make_batch_proposer
+from inference.batch_drafting import make_batch_proposer
+from inference.drafting import ChainProposer, DraftingConfig
 from inference.engine import generate, generate_batch
 from inference.sessions import BatchSlots, HFSession
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter

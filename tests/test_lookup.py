@@ -1,4 +1,4 @@
-"""N-gram lookup in front of a drafter (inference/drafting.py LookupProposer): what it proposes, that
+"""N-gram lookup in front of a drafter (inference/lookup.py LookupProposer): what it proposes, that
 greedy output stays the target's and sampling stays lossless, and that the drafter's cache stays whole."""
 
 import pytest
@@ -6,8 +6,10 @@ import torch
 from test_engine import MAX_NEW, capture_caches, check_two_token_law, prompts_of, tiny_target
 
 from common.config import UserError
-from inference.drafting import Draft, DraftingConfig, LookupProposer
+from inference.draft import Draft
+from inference.drafting import DraftingConfig
 from inference.engine import generate, generate_batch
+from inference.lookup import LookupProposer
 from inference.report import InferenceConfig, table
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from inference import engine
-from inference.drafting import ChainProposer, Draft, DraftingConfig, DynamicTreeProposer
+from inference.draft import Draft
+from inference.drafting import ChainProposer, DraftingConfig, DynamicTreeProposer
 from inference.engine import generate, verify_tree_greedy
 from inference.sessions import open_session
 
