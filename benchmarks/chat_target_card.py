@@ -34,7 +34,8 @@ from inference.engine import generate
 from inference.sessions import open_session
 from speculators.quant import QuantConfig, weight_bytes
 from speculators.target import FrozenTarget, TargetConfig
-from train.data import conversation, encode_chat
+from train.chat_encoding import encode_chat
+from train.data import conversation
 
 VERIFY_WIDTH = 6  # tokens per pass when the card reads logits as served: a verification of K=5 drafts
 

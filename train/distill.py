@@ -5,6 +5,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from common.config import UserError, require, to_dataclass
+from common.progress import announce
 from inference import calibration, evalsets, report
 from inference.drafting import DraftingConfig
 from inference.planning import make_planner
@@ -12,7 +13,8 @@ from speculators import draft_vocab, export
 from speculators.families import family
 from speculators.target import FrozenTarget
 from train.callbacks import ServeEvalCallback, wall_time
-from train.data import TextDataModule, announce, chat_template, check_context, heldout_conversations, load_examples
+from train.chat_encoding import chat_template
+from train.data import TextDataModule, check_context, heldout_conversations, load_examples
 from train.hidden_cache import check_cache, open_cache
 from train.module import DrafterModule, plain_copy
 from train.recipes import DrafterRecipe

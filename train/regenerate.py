@@ -47,7 +47,8 @@ from engines import llamacpp, vllm_venv
 from speculators import gguf_file
 from speculators.quant import QuantConfig
 from speculators.target import FrozenTarget, TargetConfig
-from train.data import CHAT_FIELDS, DataConfig, chat_template, conversation, read_examples, split_by_hash
+from train.chat_encoding import chat_template
+from train.data import CHAT_FIELDS, DataConfig, conversation, read_examples, split_by_hash
 from train.hidden_cache import write_atomically
 
 CHUNK_BATCHES = 8  # batches per chunk: what an interruption can lose

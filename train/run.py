@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from common.config import UserError, one_of, run_dir_of, to_dataclass
+from common.progress import announce, process_zero
 from train.distill import run_distill
 from train.pretrain import run_pretrain
 from train.recipes import RECIPES, RESULTS
@@ -85,16 +86,6 @@ def start_over(run_dir: Path) -> None:
         checkpoint.unlink()
     (run_dir / UNFINISHED).unlink(missing_ok=True)  # this run has not trained yet
     announce(f"overwrite=true: {run_dir} starts over (its checkpoints removed; its result is replaced at the end)")
-
-
-def process_zero() -> bool:
-    """Before the Trainer exists: torchrun and Lightning's launcher name every other process in the environment."""
-    return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"))
-
-
-def announce(line: str) -> None:
-    if process_zero():
-        print(line, flush=True)
 
 
 # --- the settings a resume continues -------------------------------------------------------------
