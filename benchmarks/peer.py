@@ -1,4 +1,4 @@
-"""Our trainer beside vLLM's speculators 0.9.0 on the same target, rows, split and recipe (issue #56).
+"""Our trainer beside vLLM's speculators 0.9.0 on the same target, rows, split and recipe.
 
     python -m benchmarks.peer n=384 steps=[120,480] arms=[ours,peer_matched,peer_defaults] seed=0 threads=1
 
@@ -29,18 +29,21 @@ The peer's rows and hidden states are made once per N by the runner (peer_prepar
 
 import json
 import os
-import re
-import shlex
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.peers.records import cache_record, ours_record, peer_prepare_record, peer_record, safetensors_tokens
+from benchmarks.peers.timed_runs import (
+    STEP_LINES,
+    run_logged,
+    wait_quiet,
+)
 from benchmarks.tables import paired, spread  # noqa: F401 (peer.paired, peer.spread)
 from common.config import PROJECT_ROOT, UserError, at_least, require, run_command
+from forge_kernels.provenance import git_revision, machine
 
 ARMS = ("ours", "ours_cached", "peer_matched", "peer_defaults", "modelopt")
 OUR_ARMS = ("ours", "ours_cached")
@@ -66,7 +69,7 @@ class PeerBenchConfig:
     peer_defaults_env: dict[str, str] = field(default_factory=lambda: {"TTT": "3", "ADAMW_BETAS": "0.9,0.999"})
     ours_overrides: list[str] = field(default_factory=list)  # more `train.py` overrides for ours (the recipe's keys)
     peer_extra: str = ""  # more `speculators train` flags for both peer arms, e.g. --hidden-states-dtype float32
-    depth_key: str = "drafter.depth"  # our recipe's key for the training depth K (formerly drafter.num_speculative_tokens)
+    depth_key: str = "drafter.depth"  # our recipe's key for the training depth K
     depth: int = 5  # K trained by every arm (the runner's TTT)
     runs: str = "runs/peer_speculators"  # trained arms: <runs>/<arm>/n<N>_s<steps>_seed<seed>[_t<threads>]
     out: str = "results/smollm2/peer_speculators"
@@ -172,120 +175,6 @@ def link_peer_data(cfg: PeerBenchConfig, folder: Path) -> None:
         data.symlink_to(peer_work(cfg) / "data")
 
 
-def shell_line(args: list[str], env: dict[str, str]) -> str:
-    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, args)])
-
-
-# Running ------------------------------------------------------------------------------------------------------
-
-def wait_quiet(cfg: PeerBenchConfig) -> None:
-    """Start nothing heavy while someone else benchmarks (their lock file exists)."""
-    said = False
-    while Path(cfg.quiet_lock).exists():
-        if not said:
-            print(f"waiting for {cfg.quiet_lock} to go (polling every 30 s)", flush=True)
-            said = True
-        time.sleep(30)
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds of a process and its live descendants, with the children each has waited for (Linux /proc):
-    a pause or a busy machine adds wall time, not CPU time."""
-    tick, total, todo = os.sysconf("SC_CLK_TCK"), 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, ValueError):
-            continue  # exited meanwhile: its parent's cutime/cstime hold it once waited for
-    return total / tick
-
-
-STEP_LINES = {"ours": re.compile(rb"^step (\d+)/\d+ ", re.M),
-              "peer": re.compile(rb"global_step=(\d+)")}  # speculators' per-step metrics (--log-freq 1), before its increment
-
-
-def last_step(log: Path, pattern: re.Pattern) -> int | None:
-    try:
-        with open(log, "rb") as f:
-            f.seek(max(0, log.stat().st_size - 65536))
-            tail = f.read()
-    except OSError:
-        return None
-    found = [next(int(g) for g in m.groups() if g) for m in pattern.finditer(tail)]
-    return found[-1] if found else None
-
-
-def trace_cpu(proc: subprocess.Popen, log: Path, pattern: re.Pattern, trace: Path, every: float = 2.0) -> None:
-    """Every `every` seconds until `proc` ends: wall time, the tree's CPU seconds and the last step logged."""
-    with open(trace, "a") as out:
-        out.write("### a new process: its CPU seconds count from 0\n")
-        while proc.poll() is None:
-            out.write(f"{time.time():.2f}\t{tree_cpu_seconds(proc.pid):.2f}\t{last_step(log, pattern)}\n")
-            out.flush()
-            time.sleep(every)
-
-
-def cpu_step_seconds(trace: Path, window: int = 10) -> list[float]:
-    """CPU seconds per training step over windows of `window` steps, from trace_cpu's samples: the first sample
-    at which each step was logged. A resumed run appends a new process's samples ("### " line) to the same file;
-    windows never span two processes."""
-    if not trace.is_file():
-        return []
-    out = []
-    for segment in ("\n" + trace.read_text()).split("\n### "):
-        first_seen = {}
-        for line in segment.splitlines():
-            parts = line.split("\t")
-            if len(parts) == 3 and parts[2] != "None" and int(parts[2]) not in first_seen:
-                first_seen[int(parts[2])] = float(parts[1])
-        picked = []
-        for step in sorted(first_seen):
-            if not picked or step - picked[-1] >= window:
-                picked.append(step)
-        out += [(first_seen[b] - first_seen[a]) / (b - a) for a, b in zip(picked, picked[1:]) if first_seen[b] > first_seen[a]]
-    return out
-
-
-def run_logged(cfg: PeerBenchConfig, args: list[str], env: dict[str, str], folder: Path, name: str,
-               steps: re.Pattern | None = None) -> float:
-    """Run `args` in the project root at niceness `nice` under /usr/bin/time -v; stdout+stderr to <folder>/<name>.log,
-    the command to <name>.cmd, time's report to <name>.time and (given a step pattern) CPU seconds against the
-    step logged to <name>.cpu.tsv. Returns wall seconds (pauses included)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    threads = str(cfg.threads)
-    full_env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **env}
-    line = shell_line(args, {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **env})
-    env_part, cmd_part = shell_line([], {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **env}), shell_line(args, {})
-    (folder / f"{name}.cmd").write_text(f"cd {PROJECT_ROOT} && {env_part} nice -n {cfg.nice} {cmd_part}\n")
-    wait_quiet(cfg)
-    lock = None
-    if cfg.threads > 1:  # a deliberate throughput measurement: hold the lock others wait on
-        lock = Path(cfg.quiet_lock)
-        lock.touch()
-    started = time.time()
-    increment = max(0, cfg.nice - os.nice(0))  # to niceness `nice`, whatever this process runs at
-    try:
-        with open(folder / f"{name}.log", "ab") as log:
-            log.write(f"\n### {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {line}\n".encode())
-            log.flush()
-            proc = subprocess.Popen(["nice", "-n", str(increment), "/usr/bin/time", "-v", "-o",
-                                     str(folder / f"{name}.time"), *args],
-                                    cwd=PROJECT_ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
-            if steps is not None:
-                trace_cpu(proc, folder / f"{name}.log", steps, folder / f"{name}.cpu.tsv")
-            returncode = proc.wait()
-    finally:
-        if lock is not None:
-            lock.unlink(missing_ok=True)
-    if returncode:
-        raise UserError(f"{name} failed (exit {returncode}): see {folder / f'{name}.log'}")
-    return time.time() - started
-
-
 def train_once(cfg: PeerBenchConfig, folder: Path, label: str, ours: bool,
                command: Callable[[], tuple[list[str], dict[str, str]]]) -> Path:
     """One arm trained into `folder` by `command()`'s arguments and environment, logged and timed; an export
@@ -329,142 +218,12 @@ def peer_prepare(cfg: PeerBenchConfig) -> Path:
     return folder
 
 
-def peer_prepare_record(folder: Path | None) -> dict:
-    if folder is None or not (folder / "hidden.log").is_file():
-        return {}
-    rec = {"cpu_s": time_report(folder / "hidden.time").get("cpu_s"), "wall_s": time_report(folder / "hidden.time").get("wall_s"),
-           "peak_rss_gib": time_report(folder / "hidden.time").get("peak_rss_gib")}
-    h = re.findall(r"hidden states: (\d+) rows, (\d+) tokens in ([\d.]+) s", (folder / "hidden.log").read_text())
-    if h and int(h[-1][0]):
-        rows, tokens, seconds = h[-1]
-        rec |= {"rows": int(rows), "tokens": int(tokens), "tokens_per_s_wall": int(tokens) / float(seconds)}
-        if rec["cpu_s"]:
-            rec["tokens_per_cpu_s"] = int(tokens) / rec["cpu_s"]  # the target's load included
-    return rec
-
-
 def build_cache(cfg: PeerBenchConfig) -> Path:
     folder = root_path(cfg.runs) / "ours_cache" / f"n{cfg.n}"
     if not (folder / "cache" / "index.json").is_file():
         print(f"our hidden-state cache of the same rows -> {folder}", flush=True)
         run_logged(cfg, cache_command(cfg, folder / "cache"), {}, folder, "cache")
     return folder
-
-
-# Reading the logs ----------------------------------------------------------------------------------------------
-
-def time_report(path: Path) -> dict:
-    """/usr/bin/time -v's figures: peak RSS, CPU and wall seconds."""
-    if not path.is_file():
-        return {}
-    text = path.read_text()
-
-    def field_(label: str) -> str | None:
-        m = re.search(rf"^\s*{re.escape(label)}: (.+)$", text, re.M)
-        return m.group(1).strip() if m else None
-
-    wall = field_("Elapsed (wall clock) time (h:mm:ss or m:ss)")
-    seconds = None
-    if wall:
-        parts = [float(p) for p in wall.split(":")]
-        seconds = sum(p * 60 ** i for i, p in enumerate(reversed(parts)))
-    rss = field_("Maximum resident set size (kbytes)")
-    user, system = field_("User time (seconds)"), field_("System time (seconds)")
-    return {"peak_rss_gib": int(rss) / 2**20 if rss else None, "wall_s": seconds,
-            "cpu_s": float(user) + float(system) if user and system else None}
-
-
-def ours_step_seconds(log: str, window: int = 10) -> list[float]:
-    """Seconds per step in windows of `window` steps, from ProgressLines ("step i/S ... a s/step", a the mean
-    since training (re)started, logged every step): elapsed(i) = (i - i0) * a(i), and a window's time is the
-    difference of two elapsed times (the 2-decimal rounding of a then costs < 0.01 s/step at 10-step windows).
-    A pause lands in one window. A resumed run (a new "### " command line in the log) starts new means."""
-    runs, points, start = [], [], None
-    for line in log.splitlines():
-        if line.startswith("### "):
-            runs.append(points)
-            points, start = [], None
-            continue
-        m = re.match(r"step (\d+)/\d+\s.*?([\d.]+) s/step", line)
-        if m:
-            step, mean = int(m.group(1)), float(m.group(2))
-            start = step - 1 if start is None else start  # logged every step: the first line is one past the start
-            points.append((step, (step - start) * mean))
-    runs.append(points)
-    return [(e1 - e0) / (s1 - s0) for pts in runs for (s0, e0), (s1, e1) in zip(pts[::window], pts[window::window])]
-
-
-def cpu_figures(folder: Path) -> dict:
-    """From <folder>/train.cpu.tsv: median CPU seconds per step (10-step windows) and the CPU spent before the
-    first step was logged (loading, data; the peer's rows and hidden states when its run computed them)."""
-    trace = folder / "train.cpu.tsv"
-    windows = cpu_step_seconds(trace)
-    rec = {"cpu_s_per_step": statistics.median(windows) if windows else None, "cpu_windows": len(windows)}
-    if trace.is_file():
-        for line in trace.read_text().splitlines():
-            parts = line.split("\t")
-            if len(parts) == 3 and parts[2] != "None":
-                rec["setup_cpu_s"] = float(parts[1])
-                break
-    return rec
-
-
-def ours_record(folder: Path, peer_split: dict | None) -> dict:
-    log = (folder / "train.log").read_text(errors="replace") if (folder / "train.log").is_file() else ""
-    training = json.loads((folder / "export" / "training.json").read_text())
-    rows = re.search(r"data train: .*?; (\d+) rows of (\d+) tokens, (\d+)% of them trained", log)
-    per_step = ours_step_seconds(log)
-    rec = {"arm": folder.parent.name, "steps": training["steps"], "positions_per_step": training["tokens_seen"] / max(training["steps"], 1),
-           "train_rows": int(rows.group(1)) if rows else None, "trained_share": int(rows.group(3)) / 100 if rows else None,
-           "step_s_median": statistics.median(per_step) if per_step else None, "steps_timed": len(per_step),
-           "wall_time_s": training.get("wall_time_s"),
-           "hidden_states": "online (the target runs every step)" if folder.parent.name == "ours" else "our cache (built once per N)"}
-    # The same examples as the peer's rows (its prep_data.py mirrors train/data.py): their real tokens over our rows.
-    if peer_split and rec["train_rows"]:
-        rec["tokens_per_step"] = peer_split["train_tokens"] / rec["train_rows"] * 4
-        rec["tokens_note"] = "non-padding tokens per step: the train split's tokens (peer's split.json) over our rows x 4"
-    else:
-        rec["tokens_per_step"] = rec["positions_per_step"]
-        rec["tokens_note"] = "positions per step (padding included)"
-    return rec | cpu_figures(folder) | time_report(folder / "train.time")
-
-
-def peer_step_seconds(log: str) -> list[float]:
-    """Per-step seconds from speculators' own per-step log lines, when it prints them."""
-    return [float(x) / 1000 for x in re.findall(r"profile/step_ms=([\d.]+(?:e[+-]?\d+)?)", log)]
-
-
-def peer_record(folder: Path) -> dict:
-    log = (folder / "train.log").read_text(errors="replace")
-    rec = {"arm": folder.parent.name}
-    m = re.findall(r"\[train_cpu\] (\d+) steps; seconds/step: first ([\d.]+), mean of the rest ([\d.]+); "
-                   r"tokens/step \(packed, prompts included\): (\d+); process ([\d.]+) s", log)
-    if m:
-        steps, first, rest, tokens, process = m[-1]
-        rec |= {"steps": int(steps), "step_s_first": float(first), "step_s_mean": float(rest),
-                "tokens_per_step": float(tokens), "process_s": float(process)}
-    per_step = peer_step_seconds(log)
-    rec["step_s_median"] = statistics.median(per_step[1:] or per_step) if per_step else rec.get("step_s_mean")
-    rec["steps_timed"] = len(per_step)
-    h = re.findall(r"hidden states: (\d+) rows, (\d+) tokens in ([\d.]+) s", log)
-    if h:
-        rows, tokens, seconds = h[-1]
-        if int(rows):
-            rec["hidden_states_tokens_per_s"] = int(tokens) / float(seconds)
-            rec["hidden_states_tokens"] = int(tokens)
-    secs = re.findall(r"== seconds: rows (\d+), hidden states (\d+), training (\d+)", log)
-    if secs:
-        rec["stage_seconds"] = dict(zip(("rows", "hidden_states", "training"), map(int, secs[-1])))
-    rec["hidden_states"] = ("online (the target runs every step)" if folder.parent.name in MODELOPT_ARMS
-                            else "offline (computed once per N, bf16 files)")
-    return rec | cpu_figures(folder) | time_report(folder / "train.time")
-
-
-def safetensors_tokens(path: Path) -> int:
-    """Rows of a hidden-state file (its first dimension), read from the safetensors header only."""
-    with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    return header["hidden_states"]["shape"][0]
 
 
 def peer_disk(cfg: PeerBenchConfig) -> dict:
@@ -480,22 +239,6 @@ def peer_disk(cfg: PeerBenchConfig) -> dict:
 def peer_split(cfg: PeerBenchConfig) -> dict | None:
     path = peer_work(cfg) / "data" / "split.json"
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def cache_record(folder: Path) -> dict:
-    cache = folder / "cache"
-    if not (cache / "index.json").is_file():
-        return {}
-    size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
-    log = (folder / "cache.log").read_text(errors="replace") if (folder / "cache.log").is_file() else ""
-    rows = [int(r) for r in re.findall(r"data (?:train|validation): .*?; (\d+) rows of", log)]
-    positions = sum(rows) * 512
-    timing = time_report(folder / "cache.time")
-    rec = {"bytes": size, "rows": sum(rows), "positions": positions,
-           "bytes_per_position": size / positions if positions else None} | timing
-    if positions and timing.get("cpu_s"):
-        rec["positions_per_cpu_s"] = positions / timing["cpu_s"]  # target load included
-    return rec
 
 
 # Serving -------------------------------------------------------------------------------------------------------
@@ -715,7 +458,7 @@ def bench(cfg: PeerBenchConfig) -> Path:
     records = []
     for name, folder in folders.items():
         arm = name.split("@")[0]
-        rec = ours_record(folder, split) if arm in OUR_ARMS else peer_record(folder)
+        rec = ours_record(folder, split) if arm in OUR_ARMS else peer_record(folder, arm in MODELOPT_ARMS)
         records.append(rec | {"name": name, "arm": arm, "folder": str(folder), "threads": training_threads(cfg),
                               "command": (folder / "train.cmd").read_text().strip() if (folder / "train.cmd").is_file() else None})
     served = served_results(cfg, folders, out)
@@ -752,22 +495,6 @@ def speed_ratios(rows: list[dict], key: str, budgets: list[int]) -> dict:
     return {f"{ours}/{peer}@{steps}": speed[ours, steps] / speed[peer, steps]
             for ours in OUR_ARMS for peer in PEER_ARMS + MODELOPT_ARMS for steps in sorted(budgets)
             if speed.get((ours, steps)) and speed.get((peer, steps))}
-
-
-def machine() -> dict:
-    try:
-        from inference.report import machine as report_machine
-
-        return report_machine()
-    except Exception:  # noqa: BLE001 -- a figure for the record, never a reason to fail
-        return {"cpus": os.cpu_count()}
-
-
-def git_revision() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":

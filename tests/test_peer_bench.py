@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import peer
+from benchmarks.peers import records, timed_runs
 from common.config import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -133,7 +134,7 @@ def test_ours_step_seconds_from_progress_lines():
         return out
 
     log = "\n".join(["### cmd", *lines(41, 2.0, pause_at=15), "### resume", *lines(21, 3.0, start=100)])
-    windows = peer.ours_step_seconds(log)
+    windows = timed_runs.ours_step_seconds(log)
     assert len(windows) == 4 + 2
     assert sorted(round(w, 1) for w in windows) == [2.0, 2.0, 2.0, 3.0, 3.0, 5.0]  # the pause lands in one window
 
@@ -148,7 +149,7 @@ def test_peer_record_reads_the_runner_log(tmp_path):
     (folder / "train.time").write_text("\tUser time (seconds): 1500.5\n\tSystem time (seconds): 10.5\n"
                                        "\tElapsed (wall clock) time (h:mm:ss or m:ss): 28:10.50\n"
                                        "\tMaximum resident set size (kbytes): 3145728\n")
-    rec = peer.peer_record(folder)
+    rec = records.peer_record(folder)
     assert rec["steps"] == 120 and rec["tokens_per_step"] == 1820 and rec["step_s_median"] == 10.4
     assert rec["hidden_states_tokens_per_s"] == 300 and rec["stage_seconds"]["hidden_states"] == 402
     assert rec["peak_rss_gib"] == 3.0 and rec["cpu_s"] == 1511.0 and rec["wall_s"] == 1690.5
@@ -160,7 +161,7 @@ def test_safetensors_tokens_reads_the_header(tmp_path):
 
     save_file({"hidden_states": torch.zeros(7, 4, 3, dtype=torch.bfloat16), "token_ids": torch.zeros(7, dtype=torch.long)},
               str(tmp_path / "hs_0.safetensors"))
-    assert peer.safetensors_tokens(tmp_path / "hs_0.safetensors") == 7
+    assert records.safetensors_tokens(tmp_path / "hs_0.safetensors") == 7
 
 
 def synthetic_rows():
@@ -219,29 +220,29 @@ def test_cpu_step_seconds_from_a_trace(tmp_path):
         if step == 15:
             samples.append((5 + 2 * i, cpu, str(step)))  # a stopped process: time passes, CPU does not
     trace.write_text("".join(f"{t}\t{c}\t{s}\n" for t, c, s in samples))
-    assert peer.cpu_step_seconds(trace) == [2.0, 2.0, 2.0]
+    assert timed_runs.cpu_step_seconds(trace) == [2.0, 2.0, 2.0]
     # resumed: a new process appends its samples, its CPU counting from 0; no window spans the two
     resumed = "".join(f"{100 + s}\t{3.0 * (s - 31)}\t{s}\n" for s in range(32, 53))
     trace.write_text("### first\n" + trace.read_text() + "### resumed\n" + resumed)
-    assert peer.cpu_step_seconds(trace) == [2.0, 2.0, 2.0, 3.0, 3.0]
-    assert peer.cpu_step_seconds(tmp_path / "absent.tsv") == []
+    assert timed_runs.cpu_step_seconds(trace) == [2.0, 2.0, 2.0, 3.0, 3.0]
+    assert timed_runs.cpu_step_seconds(tmp_path / "absent.tsv") == []
 
 
 def test_tree_cpu_seconds_of_this_process():
-    assert peer.tree_cpu_seconds(os.getpid()) > 0
-    assert peer.tree_cpu_seconds(2**22 + 7) == 0  # no such process
+    assert timed_runs.tree_cpu_seconds(os.getpid()) > 0
+    assert timed_runs.tree_cpu_seconds(2**22 + 7) == 0  # no such process
 
 
 def test_step_patterns_match_both_trainers_lines(tmp_path):
     log = tmp_path / "train.log"
     log.write_bytes(b"step 7/120  train/loss 1.0  9.10 s/step  3 min left\n")
-    assert peer.last_step(log, peer.STEP_LINES["ours"]) == 7
+    assert timed_runs.last_step(log, timed_runs.STEP_LINES["ours"]) == 7
     log.write_bytes(b"                    profile/step_ms=1.04e+04,               \n"
                     b"                    profile/tokens_per_s=64.275,            \n"
                     b"                    epoch=0, lr=0.00e+00, global_step=11     \n"
                     b"                    profile/step_ms=950.5,                  \n")
-    assert peer.last_step(log, peer.STEP_LINES["peer"]) == 11
-    assert peer.peer_step_seconds(log.read_text()) == [10.4, 0.9505]
+    assert timed_runs.last_step(log, timed_runs.STEP_LINES["peer"]) == 11
+    assert records.peer_step_seconds(log.read_text()) == [10.4, 0.9505]
 
 
 def test_served_results_are_kept_per_drafter(tmp_path, monkeypatch):

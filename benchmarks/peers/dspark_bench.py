@@ -24,8 +24,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks import peer
+from benchmarks.peers import records
 from benchmarks.tables import paired
 from common.config import at_least, run_command
+from forge_kernels.provenance import git_revision, machine
 
 ARMS = ("ours", "speculators")
 
@@ -117,7 +119,7 @@ def train_arm(cfg: DSparkPeerConfig, arm: str) -> Path:
 
 def record(cfg: DSparkPeerConfig, arm: str, folder: Path) -> dict:
     pcfg = peer_config(cfg)
-    rec = peer.ours_record(folder, peer.peer_split(pcfg)) if arm == "ours" else peer.peer_record(folder)
+    rec = records.ours_record(folder, peer.peer_split(pcfg)) if arm == "ours" else records.peer_record(folder)
     if arm != "ours":  # speculators' own model against our reader of its export, on the same random inputs
         found = re.findall(r"== logits against speculators' own model: (\{.*\})", (folder / "train.log").read_text(errors="replace"))
         rec["logits_against_speculators"] = json.loads(found[-1]) if found else None
@@ -166,8 +168,8 @@ def bench(cfg: DSparkPeerConfig) -> Path:
     served = peer.served_results(pcfg, folders, out)
     difference = paired_difference(served) if served and len(folders) == len(ARMS) else None
     result = {"config": asdict(cfg), "rows": rows, "served": served, "ours_minus_speculators": difference,
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": peer.machine(),
-              "git_revision": peer.git_revision()}
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
+              "git_revision": git_revision()}
     (out / "peer_dspark.json").write_text(json.dumps(result, indent=1, default=str))
     (out / "peer_dspark.md").write_text(markdown(rows, served, difference) + "\n")
     print(markdown(rows, served, difference))
