@@ -1,4 +1,4 @@
-"""What this project does on this machine's GPU, in one JSON file (issue #57):
+"""What this project does on this machine's GPU, in one JSON file:
 
     python -m benchmarks.device_check [out=device_check.json] [steps=20]
 

@@ -1,4 +1,4 @@
-"""GPU memory and time of training an EAGLE-3 drafter for a target, planned before renting the GPU (issue #57):
+"""GPU memory and time of training an EAGLE-3 drafter for a target, planned before renting the GPU:
 
     python -m benchmarks.memory_plan target=llama3_8b [batch_size=4 seq_len=2048 draft_vocab_size=32768 ...]
 

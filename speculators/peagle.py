@@ -1,4 +1,4 @@
-"""P-EAGLE, parallel drafting (issue #5): model, conditional drop-token training, loss and config.
+"""P-EAGLE, parallel drafting: model, conditional drop-token training, loss and config.
 
 An EAGLE-3-style drafter that proposes all K draft tokens in one forward pass. Position t
 reads token t+1 and the target's features of t, as in EAGLE; the drafter runs K depths

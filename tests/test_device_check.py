@@ -1,4 +1,4 @@
-"""benchmarks.device_check (issue #57). Without a GPU it says so in one line and measures nothing; its training
+"""benchmarks.device_check. Without a GPU it says so in one line and measures nothing; its training
 loop, which the GPU run times, trains the conftest tiny Llama here on the CPU; a section that fails is recorded,
 not raised."""
 

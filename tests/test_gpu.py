@@ -1,4 +1,4 @@
-"""The GPU tier (issue #57): on a CUDA device, what the CPU tests check in Triton's interpreter and on the CPU.
+"""The GPU tier: on a CUDA device, what the CPU tests check in Triton's interpreter and on the CPU.
 
 Every test here is marked `gpu`: collected everywhere, skipped without CUDA with one reason (tests/conftest.py).
 `python -m pytest -m gpu` runs them alone; `python -m benchmarks.device_check` runs them first.

@@ -1,4 +1,4 @@
-"""benchmarks.memory_plan (issue #57): the drafter it plans is the one training builds (parameters, exactly), the
+"""benchmarks.memory_plan: the drafter it plans is the one training builds (parameters, exactly), the
 cache bytes per token are what a built hidden-state cache stores (exactly), the activations it counts are what
 autograd saves in a real drafter, and the bundled 8B and 70B configs plan offline."""
 
