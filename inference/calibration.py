@@ -3,8 +3,8 @@
 The planner (inference/planning.py) multiplies estimates along a draft, so a bias per position compounds over
 the block. From served drafts (engine.Stats.estimates: position, estimate, accepted) this module measures
 reliability per position and over all (ECE over 10 equal-width bins, AUROC, Brier score) and fits one
-temperature per position, c = sigmoid(logit / T), by minimizing the log loss on those drafts: TensorRT-LLM's
-and SGLang's STS (sts.json, {"sts_temperatures": [T_1, ..., T_K]}), which the planner reads back.
+temperature per position, c = sigmoid(logit / T), by minimizing the log loss on those drafts (a position with too few
+accepted or rejected drafts takes the temperature fitted on all of them): TensorRT-LLM's and SGLang's STS (sts.json, {"sts_temperatures": [T_1, ..., T_K]}), which the planner reads back.
 """
 
 import json
@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 GRID = torch.logspace(-1.5, 1.5, 121).tolist()  # temperatures tried, 0.03 to 32
+MIN_EACH = 20  # accepted and rejected drafts a position needs to be fitted on its own
 
 
 def reliability(estimates: list[float], outcomes: list[bool], bins: int = 10) -> dict:
@@ -67,15 +68,20 @@ def fit_temperature(estimates: list[float], outcomes: list[bool]) -> float:
 
 
 def fit(pairs: list[tuple[int, float, bool]], depth: int) -> list[float]:
-    """Per-position temperatures 1..depth (a position never reached keeps the last fitted one)."""
+    """Per-position temperatures 1..depth. A position needs MIN_EACH accepted and MIN_EACH rejected drafts for a
+    temperature of its own: with fewer, the log loss is least at a grid end (a position never accepted in the
+    calibration prompts would be scaled to 0 and never verified again), so it takes the one temperature fitted
+    on every draft, or 1 where even those are too few."""
     positions = by_position(pairs)
-    temperatures = []
-    for position in range(1, depth + 1):
-        if position in positions:
-            temperatures.append(fit_temperature(*positions[position]))
-        else:
-            temperatures.append(temperatures[-1] if temperatures else 1.0)
-    return temperatures
+    everything = ([e for _, e, _ in pairs], [ok for _, _, ok in pairs])
+    shared = fit_temperature(*everything) if enough(everything[1]) else 1.0
+    return [fit_temperature(*positions[position]) if position in positions and enough(positions[position][1])
+            else shared for position in range(1, depth + 1)]
+
+
+def enough(outcomes: list[bool]) -> bool:
+    accepted = sum(outcomes)
+    return min(accepted, len(outcomes) - accepted) >= MIN_EACH
 
 
 def apply(pairs: list[tuple[int, float, bool]], temperatures: list[float]) -> list[tuple[int, float, bool]]:

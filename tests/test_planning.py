@@ -105,6 +105,20 @@ def test_temperature_scaling_fixes_an_overconfident_estimate():
     assert after["auroc"] == pytest.approx(before["auroc"]) and 0.6 < after["auroc"] < 1
 
 
+def test_a_position_seen_too_little_takes_the_shared_temperature():
+    """Position 2 never accepted and position 3 never served in the calibration prompts: neither is scaled to a
+    grid end (which would keep the planner from ever verifying it), both take position 1's fit over all drafts;
+    with too few drafts of either outcome anywhere, nothing is scaled."""
+    rng = random.Random(1)
+    first = [(1, 1 / (1 + math.exp(-2 * z)), rng.random() < 1 / (1 + math.exp(-z))) for z in
+             (rng.gauss(0.0, 1.5) for _ in range(2000))]
+    never = [(2, 0.2, False)] * 200
+    temperatures = calibration.fit(first + never, 3)
+    assert temperatures[0] == pytest.approx(calibration.fit(first, 1)[0], rel=0.2)
+    assert min(calibration.GRID) < temperatures[1] == temperatures[2] < max(calibration.GRID)
+    assert calibration.fit(never + [(1, 0.9, True)] * 5, 2) == [1.0, 1.0]
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "dspark", "lookup"])
 def test_planned_greedy_outputs_are_the_targets_own(llama_target, make_drafter, text_batch, tmp_path, kind):
     from test_dspark import make_dspark

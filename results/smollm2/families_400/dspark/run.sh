@@ -6,10 +6,7 @@
 #   bash results/smollm2/families_400/dspark/run.sh RUNS   (RUNS: a folder outside the repo, about 6 GB)
 set -e
 RUNS=${1:?usage: run.sh RUNS_DIR}
-CACHE=$RUNS/cache
-ROWS="data.skip_examples=8192 data.max_examples=11200 data.hidden_states=cache data.cache_dir=$CACHE"
-DATA="target=smollm2 quant=gguf data=messages data.path=data/sharegpt-smollm2 data.seq_len=512 data.batch_size=4 eval=mtbench eval.turns=1 eval.num_prompts=8 $ROWS trainer.precision=bf16-mixed optim.warmup_steps=10 serve_eval.every_n_steps=0"
-RUN="seed=18 trainer.max_steps=400 trainer.val_every_n_steps=50 trainer.checkpoint_every_n_steps=50 trainer.num_threads=2 logger=none"
+. "$(dirname "$0")/../settings.sh"
 REPORT="serve_eval.ks=[2] serve_eval.plan=false"  # the closing report at one K: compare.sh serves the table
 
 [ -d $CACHE ] || python -m train.hidden_cache conf=eagle3_smollm2 $ROWS trainer.num_threads=2
