@@ -3,8 +3,9 @@
 The planner (inference/planning.py) multiplies estimates along a draft, so a bias per position compounds over
 the block. From served drafts (engine.Stats.estimates: position, estimate, accepted) this module measures
 reliability per position and over all (ECE over 10 equal-width bins, AUROC, Brier score) and fits one
-temperature per position, c = sigmoid(logit / T), by minimizing the log loss on those drafts (a position with too few
-accepted or rejected drafts takes the temperature fitted on all of them): TensorRT-LLM's and SGLang's STS (sts.json, {"sts_temperatures": [T_1, ..., T_K]}), which the planner reads back.
+temperature per position, c = sigmoid(logit / T), by minimizing the log loss on those drafts (a position with
+too few accepted or rejected drafts takes the temperature fitted on all of them): TensorRT-LLM's and SGLang's
+STS (sts.json, {"sts_temperatures": [T_1, ..., T_K]}), which the planner reads back.
 """
 
 import json
