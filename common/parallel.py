@@ -1,9 +1,14 @@
 """fork_map: one function over many items on several cores, results in order, for CPU-bound Python that holds
 the GIL (rendering chat templates: about 150 conversations a second on one core). The function need not
-pickle: forked workers inherit it; items and results are pickled."""
+pickle: forked workers inherit it; items and results are pickled.
+
+Workers end as a pool closes (no signal), take SIGTERM's default (death, whichever of their threads it reaches:
+a handler inherited from the parent runs only in a main thread that may be waiting on the pool's lock, and a
+worker once hung there) and leave Ctrl-C to the parent."""
 
 import multiprocessing
 import os
+import signal
 from typing import Callable, Iterable, Iterator
 
 _FUNCTION: Callable | None = None  # what the forked workers call: set in the parent just before the fork
@@ -11,6 +16,11 @@ _FUNCTION: Callable | None = None  # what the forked workers call: set in the pa
 
 def _call(item):
     return _FUNCTION(item)
+
+
+def _start_worker() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def cores() -> int:
@@ -26,8 +36,14 @@ def fork_map(function: Callable, items: Iterable, processes: int, chunksize: int
         yield from map(function, items)
         return
     _FUNCTION = function
+    pool, finished = multiprocessing.get_context("fork").Pool(processes, initializer=_start_worker), False
     try:
-        with multiprocessing.get_context("fork").Pool(processes) as pool:
-            yield from pool.imap(_call, items, chunksize)
+        yield from pool.imap(_call, items, chunksize)
+        finished = True
     finally:
+        if finished:
+            pool.close()
+        else:  # a failure, or a consumer that stopped early
+            pool.terminate()
+        pool.join()
         _FUNCTION = None
