@@ -10,5 +10,4 @@ OUT=results/smollm2/families_400/dspark
 DRAFTERS="drafters=[$RUNS/dspark/export,$RUNS/dflash8/export,$RUNS/eagle3/export,models/smollm2-eagle3]"
 TRAINED="drafters=[$RUNS/dspark/export,$RUNS/dflash8/export,$RUNS/eagle3/export]"
 python -m benchmarks.planning "$TRAINED" quant=none eval=mtbench eval.turns=1 eval.num_prompts=8 calibration_prompts=4 "ks=[1,2]" max_new_tokens=64 repeats=2 out=$OUT/planning_fp32
-# not run on 2026-12-05 (no time left in the session); the packed target's plan rows are in results/smollm2/planning/
-# python -m benchmarks.planning "$DRAFTERS" quant=gguf eval=mtbench eval.turns=1 eval.num_prompts=12 calibration_prompts=4 "ks=[1,2,4]" max_new_tokens=64 repeats=2 out=$OUT/planning_packed
+python -m benchmarks.planning "$DRAFTERS" quant=gguf eval=mtbench eval.turns=1 eval.num_prompts=12 calibration_prompts=4 "ks=[1,2,4]" max_new_tokens=64 repeats=2 out=$OUT/planning_packed
