@@ -10,6 +10,13 @@ from pathlib import Path
 from common.config import UserError
 
 
+def cache_root() -> Path:
+    """What the project makes once per machine and reuses (converted GGUFs, tokenized data, step costs,
+    llama.cpp's build, the peers' venvs): $SPECULATORS_CACHE, else ~/.cache/speculators-forge."""
+    root = os.environ.get("SPECULATORS_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "speculators-forge"
+
+
 def sync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import UserError
+from common.files import cache_root
 from engines import Engine, register_engine
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist: vendor/llama.cpp is the source built
@@ -52,8 +53,7 @@ BUILD = f"{VERSION}-logjoin"  # the cache folder's name: a new one whenever the 
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SPECULATORS_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "speculators-forge") / "llama.cpp" / BUILD
+    return cache_root() / "llama.cpp" / BUILD
 
 
 def build(jobs: int = 2) -> Path:

@@ -35,9 +35,8 @@ from pathlib import Path
 import torch
 
 from common.config import UserError
+from common.files import cache_root
 from inference.sessions import open_session
-
-CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "speculators-forge" / "step_costs"
 
 
 def machine() -> str:
@@ -100,7 +99,7 @@ class StepCosts:
     def cached(cls, session_factory, target_key: str, tokens: int, context: int, path: str | None = None,
                remeasure: bool = False) -> "StepCosts":
         """The table for this target on this machine: read from `path` (default: the cache), else measured."""
-        file = Path(path) if path else CACHE_DIR / f"{hashlib.sha256(f'{target_key}|{machine()}'.encode()).hexdigest()[:16]}.json"
+        file = Path(path) if path else cache_root() / "step_costs" / f"{hashlib.sha256(f'{target_key}|{machine()}'.encode()).hexdigest()[:16]}.json"
         costs = None if remeasure or not file.exists() else cls.read(file, target_key)
         if costs is None or len(costs.verify_ms) < tokens:
             print(f"measuring the target's step cost for 1..{tokens} tokens on this machine ({file})")

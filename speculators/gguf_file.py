@@ -24,6 +24,7 @@ from pathlib import Path
 
 import gguf
 
+from common import files
 from common.config import UserError
 
 # Llama-family architectures whose GGUF transformers reads and our target wrapper serves.
@@ -79,8 +80,7 @@ def field(reader: gguf.GGUFReader, key: str):
 
 
 def cache_root() -> Path:
-    root = os.environ.get("SPECULATORS_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "speculators-forge") / "gguf"
+    return files.cache_root() / "gguf"
 
 
 def converted_folder(spec: str) -> Path:

@@ -147,7 +147,7 @@ def test_plans_are_refused_where_they_do_not_apply(llama_target, make_drafter, t
 def test_the_planning_benchmark_writes_its_tables(llama_target, make_drafter, tmp_path):
     path = export.save(make_drafter(llama_target), tmp_path / "a" / "export", export.Verifier.of(llama_target))
     out = tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECULATORS_CACHE": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, "-m", "benchmarks.planning", f"drafters=[{path}]", "eval.num_prompts=3",
                              "calibration_prompts=1", "max_new_tokens=12", "repeats=1", "ks=[1,3]",
                              "beside_export=true", f"out={out}"], cwd=REPO, env=env, capture_output=True, text=True,

@@ -25,7 +25,7 @@ def tokenized(tokenizer, examples, seq_len: int, calls: list):
 
 
 def test_the_second_run_reads_the_rows_back_and_a_change_tokenizes_again(tokenizer, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(token_cache, "CACHE", tmp_path)
+    monkeypatch.setenv("SPECULATORS_CACHE", str(tmp_path))
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.chat_template = CHATML
     calls = []
@@ -36,7 +36,7 @@ def test_the_second_run_reads_the_rows_back_and_a_change_tokenizes_again(tokeniz
     tokenized(tokenizer, ROWS, 96, calls)  # another seq_len
     tokenized(tokenizer, ROWS[:5], 64, calls)  # other examples
     assert calls == [64, 96, 64]
-    for path in tmp_path.glob("*.pt"):
+    for path in tmp_path.glob("tokenized/*.pt"):
         path.write_bytes(b"damaged")
     assert torch.equal(tokenized(tokenizer, ROWS, 64, calls)[0], first[0]) and calls[-1] == 64
     assert "unreadable" in capsys.readouterr().out

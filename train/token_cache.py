@@ -8,21 +8,17 @@ import hashlib
 import inspect
 import io
 import json
-import os
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from common.files import write_atomically
-
-CACHE = Path(os.environ.get("SPECULATORS_FORGE_CACHE", Path.home() / ".cache" / "speculators-forge")) / "tokenized"
+from common.files import cache_root, write_atomically
 
 
 def cached(examples, tokenizer, settings: dict, tokenize: Callable, rendering_code) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """tokenize() -> (rows, mask, tally) of `examples`, read from the cache where it holds them; the tally as a
     dict. `settings`: what else the rows depend on (layout, seq_len, the chat template's text)."""
-    path = CACHE / f"{key(examples, tokenizer, settings, rendering_code)}.pt"
+    path = cache_root() / "tokenized" / f"{key(examples, tokenizer, settings, rendering_code)}.pt"
     if path.exists():
         try:
             saved = torch.load(path, weights_only=True)

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from common import files
 from common.config import PROJECT_ROOT, UserError
 
 HERE = Path(__file__).resolve().parent
@@ -25,8 +26,7 @@ DATA = "data/sharegpt-smollm2"
 
 
 def cache_root() -> Path:
-    root = os.environ.get("SPECULATORS_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "speculators-forge") / "peers"
+    return files.cache_root() / "peers"
 
 
 @dataclass(frozen=True)
