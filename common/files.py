@@ -18,6 +18,7 @@ def cache_root() -> Path:
 
 
 def sync_file(path: Path) -> None:
+    """Its bytes on the disk; of a folder, its entries."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -81,6 +82,7 @@ def write_atomically(path: Path, data: str | bytes) -> None:
         finally:
             os.close(fd)
         os.replace(partial, path)
+        sync_file(path.parent)  # the folder's entries: the rename itself
     except OSError as error:
         remove(partial)
         raise disk_error(path, error) from None

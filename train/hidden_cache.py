@@ -55,6 +55,7 @@ from safetensors.torch import save
 
 from common import progress as shown
 from common.config import PROJECT_ROOT, UserError, exit_on_user_error, run_cli, to_dataclass
+from common.files import write_atomically
 from engines import vllm_venv
 from speculators import gguf_file
 from speculators.export import check_writable, move_into_place
@@ -210,24 +211,6 @@ def read_record(path: Path) -> dict | None:
     except (OSError, ValueError):  # ValueError: JSON or UTF-8
         return None
     return record if isinstance(record, dict) and isinstance(record.get("shards"), dict) else None
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """`path` holds all of `data` or what it held before: written beside it, fsynced, renamed over it."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)  # the rename itself
-    finally:
-        os.close(folder)
 
 
 def save_shard(tensors: dict[str, torch.Tensor], path: Path) -> dict:
