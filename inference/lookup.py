@@ -1,14 +1,9 @@
 """N-gram lookup in front of a drafter's proposer (drafting.prompt_lookup_max)."""
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from inference.draft import Draft, planned, point_masses
 from speculators.target import TargetOutput
-
-if TYPE_CHECKING:
-    from inference.drafting import DraftingConfig
 
 
 class LookupProposer:
@@ -22,7 +17,7 @@ class LookupProposer:
     accepted position, so its cache stays whole. A lookup draft is a point mass: q(x) = 1, so
     rejection sampling accepts it with probability p(x) and stays lossless."""
 
-    def __init__(self, drafter_proposer, k: int, vocab_size: int, drafting: "DraftingConfig"):
+    def __init__(self, drafter_proposer, k: int, vocab_size: int, drafting):  # drafting: a DraftingConfig
         self.inner, self.vocab_size = drafter_proposer, vocab_size
         self.length = drafting.lookup_length(k)
         self.sizes = range(drafting.prompt_lookup_max, drafting.prompt_lookup_min - 1, -1)

@@ -18,6 +18,7 @@ from test_hidden_cache import ROWS_PER_SHARD, SEQ_LEN, cached_data, data_file, r
 from test_reliability import REPO
 from transformers import AutoModelForCausalLM
 
+from common import files
 from common.config import UserError
 from speculators.target import FrozenTarget, TargetConfig
 from train import hidden_cache
@@ -246,9 +247,9 @@ def test_a_kill_during_a_write_leaves_the_file_as_it_was(tmp_path):
 def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     path = tmp_path / "progress.json"
     path.write_text("old")
-    monkeypatch.setattr(hidden_cache.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    monkeypatch.setattr(files.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
     with pytest.raises(UserError, match="cannot write .*progress.json: No space left"):
-        hidden_cache.write_atomically(path, b"new")
+        files.write_atomically(path, b"new")
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["progress.json"]
 
 

@@ -146,11 +146,12 @@ def test_regeneration_checks_its_data_before_the_target_loads(llama_dir, tmp_pat
 
 
 def test_a_regenerated_shard_is_compressed_atomically(tmp_path, monkeypatch):
-    """A failure while the compressed shard is written (a full disk) leaves the plain shard as it was."""
+    """A failure while the compressed shard is written (a full disk) is one line and leaves the plain shard as it
+    was."""
     opened = tmp_path / "part-00000.jsonl"
     opened.write_text('{"a": 1}\n')
     monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device")))
-    with pytest.raises(OSError):
+    with pytest.raises(UserError, match="cannot write .*part-00000.jsonl.gz: No space left on device"):
         regenerate.close_shard(opened)
     assert opened.read_text() == '{"a": 1}\n' and [p.name for p in tmp_path.iterdir()] == [opened.name]
 

@@ -3,17 +3,15 @@ renders them (train/data.py's docstring says how)."""
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from common.config import UserError
-
-if TYPE_CHECKING:
-    from train.data import DataConfig
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def chat_template(cfg: "DataConfig", tokenizer) -> str:
+def chat_template(cfg, tokenizer) -> str:
+    """The Jinja template a train.data.DataConfig names (data.chat_template: a file or a template), else the
+    tokenizer's own."""
     template = cfg.chat_template
     if template is not None and "{" not in template:  # a file; a Jinja template always has braces
         if not Path(template).is_file():

@@ -43,13 +43,13 @@ from transformers import GenerationConfig
 from common import progress as shown
 from common.config import UserError, at_least, one_of, require, run_command
 from common.corpus import SPLITS
+from common.files import write_atomically
 from engines import llamacpp, vllm_venv
 from speculators import gguf_file
 from speculators.quant import QuantConfig
 from speculators.target import FrozenTarget, TargetConfig
 from train.chat_encoding import chat_template
 from train.data import CHAT_FIELDS, DataConfig, conversation, read_examples, split_by_hash
-from train.hidden_cache import write_atomically
 
 CHUNK_BATCHES = 8  # batches per chunk: what an interruption can lose
 MAX_TURNS = 1000  # sampling seeds: conversation i's reply r draws with seed + MAX_TURNS * i + r
