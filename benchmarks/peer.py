@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks import peers
 from benchmarks.peers.records import cache_record, ours_record, peer_prepare_record, peer_record, safetensors_tokens
 from benchmarks.peers.timed_runs import (
     STEP_LINES,
@@ -131,21 +132,9 @@ def run_dir(cfg: PeerBenchConfig, arm: str, steps: int) -> Path:
 def ours_command(cfg: PeerBenchConfig, steps: int, folder: Path, cache_dir: Path | None = None) -> list[str]:
     """Our arm, from scratch, the recipe of conf/eagle3_smollm2.yaml written out (the peer matches these);
     with `cache_dir`, the hidden states read from our cache instead of the target running every step."""
-    args = [sys.executable, "train.py", "conf=eagle3_smollm2", "init_from=null", "logger=none",
-            f"data.max_examples={cfg.n}", "data.skip_examples=0", "data.seq_len=512", "data.batch_size=4",
-            *(["data.hidden_states=online"] if cache_dir is None else ["data.hidden_states=cache", f"data.cache_dir={cache_dir}"]),
-            "target.layer_ids=[2,15,27]", "drafter.family=eagle3",
-            f"{cfg.depth_key}={cfg.depth}", "drafter.step_decay=0.8", "drafter.draft_vocab_size=8192",
-            "optim.lr=0.001", "optim.warmup_steps=10", "optim.weight_decay=0.0", "optim.beta1=0.9", "optim.beta2=0.95",
-            f"trainer.max_steps={steps}", f"trainer.num_threads={cfg.threads}", "trainer.log_every_n_steps=1",
-            f"trainer.val_every_n_steps={steps}", f"trainer.checkpoint_every_n_steps={min(40, steps)}",
-            "serve_eval.every_n_steps=0", "eval.num_prompts=1",  # the closing report: one prompt (we serve below)
-            f"seed={cfg.seed}"]
-    overridden = {o.split("=", 1)[0].lstrip("+~") for o in cfg.ours_overrides}
-    args = [a for a in args if a.split("=", 1)[0] not in overridden] + list(cfg.ours_overrides)  # Hydra refuses a key twice
-    if (folder / "checkpoints" / "last.ckpt").is_file():
-        args.append(f"resume={folder}")  # interrupted: continue exactly where it stopped
-    return [*args, f"hydra.run.dir={folder}"]
+    hidden = ["data.hidden_states=online"] if cache_dir is None else ["data.hidden_states=cache", f"data.cache_dir={cache_dir}"]
+    recipe = ["conf=eagle3_smollm2", *hidden, "drafter.family=eagle3", f"{cfg.depth_key}={cfg.depth}", "drafter.step_decay=0.8"]
+    return peers.train_command(recipe, cfg.n, steps, cfg.threads, cfg.seed, cfg.ours_overrides, folder)
 
 
 def cache_command(cfg: PeerBenchConfig, cache_dir: Path) -> list[str]:

@@ -111,3 +111,23 @@ def write_rows(n: int, seq_len: int, out: Path, target: Path, data: str = DATA) 
     out.write_text(json.dumps(rows))
     return {"conversations_read": n, "train_rows": len(rows["train"]), "val_rows": len(rows["validation"]),
             "train_tokens": sum(len(i) for i, _ in rows["train"]), "train_loss_tokens": sum(sum(m) for _, m in rows["train"])}
+
+
+def train_command(recipe: list[str], n: int, steps: int, threads: int, seed: int, overrides: list[str],
+                  folder: Path) -> list[str]:
+    """`train.py` from scratch on the first `n` conversations with the optimizer and schedule both peers match,
+    `recipe` (the conf and drafter keys) and `overrides` last (they replace a key given before: Hydra refuses a
+    key twice); an interrupted run resumes exactly where it stopped."""
+    args = [sys.executable, "train.py", *recipe[:1], "init_from=null", "logger=none",
+            f"data.max_examples={n}", "data.skip_examples=0", "data.seq_len=512", "data.batch_size=4",
+            "target.layer_ids=[2,15,27]", "drafter.draft_vocab_size=8192", *recipe[1:],
+            "optim.lr=0.001", "optim.warmup_steps=10", "optim.weight_decay=0.0", "optim.beta1=0.9", "optim.beta2=0.95",
+            f"trainer.max_steps={steps}", f"trainer.num_threads={threads}", "trainer.log_every_n_steps=1",
+            f"trainer.val_every_n_steps={steps}", f"trainer.checkpoint_every_n_steps={min(40, steps)}",
+            "serve_eval.every_n_steps=0", "eval.num_prompts=1",  # the closing report: one prompt (we serve below)
+            f"seed={seed}"]
+    overridden = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    args = [a for a in args if a.split("=", 1)[0] not in overridden] + list(overrides)
+    if (folder / "checkpoints" / "last.ckpt").is_file():
+        args.append(f"resume={folder}")
+    return [*args, f"hydra.run.dir={folder}"]

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks import peer
+from benchmarks import peer, peers
 from benchmarks.peers import records
 from benchmarks.tables import paired
 from common.config import at_least, run_command
@@ -80,21 +80,10 @@ def run_dir(cfg: DSparkPeerConfig, arm: str) -> Path:
 
 def ours_command(cfg: DSparkPeerConfig, folder: Path) -> list[str]:
     """Our arm from scratch, conf/conf/dspark_smollm2.yaml's recipe written out (the peer matches these)."""
-    args = [sys.executable, "train.py", "conf=dspark_smollm2", "init_from=null", "logger=none",
-            f"data.max_examples={cfg.n}", "data.skip_examples=0", "data.seq_len=512", "data.batch_size=4",
-            "data.hidden_states=online", "target.layer_ids=[2,15,27]", "drafter.draft_vocab_size=8192",
-            f"drafter.block_size={cfg.block_size}", f"drafter.anchors={cfg.anchors}",
-            f"drafter.markov_rank={cfg.markov_rank}", f"drafter.markov_head_type={cfg.markov_head_type}",
-            "optim.lr=0.001", "optim.warmup_steps=10", "optim.weight_decay=0.0", "optim.beta1=0.9", "optim.beta2=0.95",
-            f"trainer.max_steps={cfg.steps}", f"trainer.num_threads={cfg.threads}", "trainer.log_every_n_steps=1",
-            f"trainer.val_every_n_steps={cfg.steps}", f"trainer.checkpoint_every_n_steps={min(40, cfg.steps)}",
-            "serve_eval.every_n_steps=0", "eval.num_prompts=1",  # the closing report: one prompt (we serve below)
-            f"seed={cfg.seed}"]
-    overridden = {o.split("=", 1)[0].lstrip("+~") for o in cfg.ours_overrides}
-    args = [a for a in args if a.split("=", 1)[0] not in overridden] + list(cfg.ours_overrides)  # Hydra refuses a key twice
-    if (folder / "checkpoints" / "last.ckpt").is_file():
-        args.append(f"resume={folder}")  # interrupted: continue exactly where it stopped
-    return [*args, f"hydra.run.dir={folder}"]
+    recipe = ["conf=dspark_smollm2", "data.hidden_states=online", f"drafter.block_size={cfg.block_size}",
+              f"drafter.anchors={cfg.anchors}", f"drafter.markov_rank={cfg.markov_rank}",
+              f"drafter.markov_head_type={cfg.markov_head_type}"]
+    return peers.train_command(recipe, cfg.n, cfg.steps, cfg.threads, cfg.seed, cfg.ours_overrides, folder)
 
 
 def peer_command(cfg: DSparkPeerConfig, folder: Path) -> tuple[list[str], dict[str, str]]:
