@@ -18,7 +18,7 @@ from train.data import TextDataModule, check_context, heldout_conversations, loa
 from train.hidden_cache import check_cache, open_cache
 from train.module import DrafterModule, plain_copy
 from train.recipes import DrafterRecipe
-from train.trainer import fit, make_logger, make_trainer
+from train.trainer import fit, leave_process_group, make_logger, make_trainer
 
 REPORT_NEW_TOKENS = report.InferenceConfig.max_new_tokens
 
@@ -61,6 +61,7 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
                  f"closing report")
     offline = trainer.validate(module, datamodule, verbose=False)[0]  # under DDP every process takes part
     drafter = plain_copy(module.drafter, lambda: drafter_class.from_target(drafter_cfg, target, counts))
+    leave_process_group()  # the last collective
     if not trainer.is_global_zero:
         return  # one process exports and reports
     export_dir = export.save(drafter, run_dir / "export", export.Verifier.of(target), overwrite=recipe.overwrite,

@@ -23,7 +23,7 @@ from train.callbacks import wall_time
 from train.data import TextDataModule
 from train.optim import OptimConfig, check_finite, configure
 from train.recipes import ModelConfig, PretrainRecipe, UnlikelihoodConfig
-from train.trainer import fit, make_logger, make_trainer
+from train.trainer import fit, leave_process_group, make_logger, make_trainer
 
 EOS = "<|endoftext|>"
 
@@ -204,6 +204,9 @@ def run_pretrain(recipe: PretrainRecipe, run_dir: Path) -> None:
     monitor = None if recipe.unlikelihood.every_n_steps else "val/loss"
     trainer = make_trainer(recipe.trainer, make_logger(recipe.logger, run_dir, asdict(recipe)), run_dir, monitor=monitor)
     fit(trainer, module, datamodule, recipe.resume)
+    leave_process_group()  # the last collective
+    if not trainer.is_global_zero:
+        return  # one process saves the model
     steps = trainer.global_step
     best = next((c.best_model_path for c in trainer.checkpoint_callbacks if c.monitor), None)
     if best:  # ship the checkpoint with the lowest validation loss, not merely the last

@@ -134,6 +134,12 @@ def fit(trainer: L.Trainer, module: L.LightningModule, datamodule, resume: str |
             f"(resume=<this run directory> finishes them)\n")
 
 
+def leave_process_group() -> None:
+    """Each process leaves the process group once its last collective is done. Left to the interpreter's exit,
+    Gloo's worker threads can abort a process (SIGABRT), and Lightning's launcher then kills the others, the
+    one writing the export and its report among them."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def save_final_checkpoint(trainer: L.Trainer) -> None:
