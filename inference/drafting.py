@@ -386,7 +386,7 @@ class SelfProposer:
         self.read(prompt + [token])
 
     def read(self, tokens: list[int]) -> None:
-        self.logits = self.session(torch.tensor([tokens], device=self.device)).logits[0, -1]
+        self.logits = self.session(torch.tensor([tokens], device=self.device), logits="last").logits[0, -1]
 
     def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
         read_drafts = 0  # accepted drafts already in the copy's cache

@@ -163,7 +163,7 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
     stats, session = Stats(max(k, lookup)), open_session(target, max_len)
     started = time.perf_counter()
     device = target.device
-    out = session(torch.tensor([prompt], device=device))
+    out = session(torch.tensor([prompt], device=device), logits="last")
     token = pick(out.logits[0, -1], temperature, generator)
     stats.target_forwards, stats.ttft_s = 1, time.perf_counter() - started
     tokens = [token]
@@ -257,7 +257,7 @@ def generate_batch(target: FrozenTarget, drafter, prompts: list[list[int]], max_
     outputs: list[list[int]] = [[] for _ in prompts]
     rows = list(range(len(prompts)))  # the prompt each batch row decodes
     started = time.perf_counter()
-    out = session(ids)
+    out = session(ids, logits="last")
     new = pick_rows(out.logits[:, -1], temperature, generator)[:, None]
     stats.target_forwards, stats.ttft_s = 1, time.perf_counter() - started
     emitted = torch.ones(len(prompts), dtype=torch.long, device=device)  # tokens of `new` each row emits

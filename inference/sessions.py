@@ -72,21 +72,21 @@ class HFSession:
         self.target, self.cache, self.length, self.slots = target, DynamicCache(), 0, slots
 
     def __call__(self, tokens: torch.Tensor, tree: torch.Tensor | None = None,
-                 depths: torch.Tensor | None = None) -> TargetOutput:
+                 depths: torch.Tensor | None = None, logits: str = "all") -> TargetOutput:
         if tree is not None:
             raise UserError(f"tree drafts need a Llama-family target ({', '.join(sorted(STATIC_MODEL_TYPES))}) "
                             f"without a sliding window, on one device (no target.device_map); use drafting.mode=chain")
         if self.slots is not None:
-            return self.padded(tokens)
+            return self.padded(tokens, logits)
         self.length += tokens.shape[1]
-        return self.target(tokens, cache=self.cache)
+        return self.target(tokens, cache=self.cache, logits=logits)
 
-    def padded(self, tokens: torch.Tensor) -> TargetOutput:
+    def padded(self, tokens: torch.Tensor, logits: str) -> TargetOutput:
         """A batch: attention mask over every slot so far (pads and holes hidden), position ids per row."""
         start, end = self.length, self.length + tokens.shape[1]
         mask, positions = self.slots.valid[:, :end].to(tokens.device), self.slots.positions(start, end).to(tokens.device)
         self.length = end
-        return self.target(tokens, mask.long(), cache=self.cache, position_ids=positions)
+        return self.target(tokens, mask.long(), cache=self.cache, position_ids=positions, logits=logits)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep the batch rows `index` (the prompts still decoding); the caller selects the slots."""
@@ -118,9 +118,9 @@ class RecurrentSession(HFSession):
         self.passes = []  # (length before, the states then, the tokens) of the passes a rollback may land in
 
     def __call__(self, tokens: torch.Tensor, tree: torch.Tensor | None = None,
-                 depths: torch.Tensor | None = None) -> TargetOutput:
+                 depths: torch.Tensor | None = None, logits: str = "all") -> TargetOutput:
         self.passes = [*self.passes[-(ROLLBACK_PASSES - 1):], (self.length, self.states(), tokens)]
-        return super().__call__(tokens, tree, depths)
+        return super().__call__(tokens, tree, depths, logits)
 
     def crop(self, length: int) -> None:
         if length >= self.length:
@@ -176,10 +176,11 @@ class StaticSession:
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, tree: torch.Tensor | None = None,
-                 depths: torch.Tensor | None = None) -> TargetOutput:
+                 depths: torch.Tensor | None = None, logits: str = "all") -> TargetOutput:
         """Run `tokens` [1, m] after the cache. A tree draft passes `tree` [m, m] (row i sees
         itself and its ancestors, inference.draft.Draft.tree_mask) and `depths` [m]
-        (rotary positions start + depth); the default is a causal chain."""
+        (rotary positions start + depth); the default is a causal chain. `logits`: of "all" rows, or of the
+        "last" (a prompt's prefill: lm_head over every prompt position would be a fifth of its work)."""
         model, start = self.target.model.model, self.length
         end = start + tokens.shape[1]
         if end > self.k.shape[3]:
@@ -201,7 +202,7 @@ class StaticSession:
         last = model.norm(x)
         # fp32 features, as FrozenTarget returns them: drafters compute in fp32 whatever the target's dtype.
         return TargetOutput(aux_hidden=[aux[k].float() for k in self.target.layer_ids], last_hidden=last.float(),
-                            logits=self.target.model.lm_head(last).float())
+                            logits=self.target.model.lm_head(last if logits == "all" else last[:, -1:]).float())
 
     def padded(self, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, m, d] at each row's own positions and the mask [B, 1, m, end] of a batch."""

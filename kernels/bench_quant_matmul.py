@@ -9,7 +9,8 @@ SmolLM2-135M's: hidden 576, 3 KV heads of 64, MLP 1536, vocab 49152) and each nu
 F.linear on the unquantized W, and for int8 (per channel), int8/32 (one scale per 32 columns, GGUF's
 Q8_0) and int4 (groups of 32, GGUF's Q4_1) kernels.quant_matmul's CPU kernel with fp32 x ("kernel"),
 the same kernel with x rounded to int8 per 32 columns ("kernel int8-x": integer dot products, in the
-instruction set the JSON names), and the reference (dequantize + one matmul); and the same kernel's
+instruction set the JSON names), and the reference (dequantize + one matmul; "dequantize torch": with
+PyTorch's expression in place of dequantize_cpu.cpp's one pass); and the same kernel's
 loop over the fp32 W ("fp32 kernel", kernels.dense_matmul: where it beats F.linear is the measurement
 behind DENSE_KERNEL_MAX_ROWS). On an AVX-512 CPU, where the fp32, int4 and int8/32 kernels run AVX-512 tiles,
 also their AVX2 loops ("fp32 kernel avx2", "int4 kernel avx2", "int8/32 kernel avx2")
@@ -48,6 +49,7 @@ from forge_kernels.quant_matmul import (
     CPU_KERNEL_MAX_ROWS,
     cpu_ops,
     dense_kernel_max_rows,
+    dequantize_torch,
     pack_int4,
     quant_matmul_cpu,
     quant_matmul_reference,
@@ -79,7 +81,8 @@ def ways_for(N: int, K: int, stream: bool = False, against: str | None = None) -
     for scheme in SCHEMES:
         ways |= {f"{scheme} kernel": way(lambda x, w, s=scheme: quant_matmul_cpu(x, *w[s])),
                  f"{scheme} kernel int8-x": way(lambda x, w, s=scheme: quant_matmul_cpu(x, *w[s], int8_activations=True)),
-                 f"{scheme} dequantize": way(lambda x, w, s=scheme: quant_matmul_reference(x, *w[s]))}
+                 f"{scheme} dequantize": way(lambda x, w, s=scheme: quant_matmul_reference(x, *w[s])),
+                 f"{scheme} dequantize torch": way(lambda x, w, s=scheme: x @ dequantize_torch(*w[s]).T)}
     if cpu_ops().fp32_x_isa("") == "avx512":
         ways["fp32 kernel avx2"] = way(in_avx2(lambda x, w: cpu_ops().fp32_matmul(x, w["fp32"])))
         ways |= {f"{scheme} kernel avx2": way(in_avx2(lambda x, w, s=scheme: quant_matmul_cpu(x, *w[s])))

@@ -11,7 +11,8 @@ Two weight formats (speculators.quant writes them):
 
 Three implementations of the same math:
 - `quant_matmul_reference`: dequantize W to x's dtype, then one matmul. The oracle, and the CPU path
-  for many rows (training batches, prefill), where one dense matmul amortises the dequantization.
+  for many rows (training batches, prefill), where one dense matmul amortises the dequantization (on the
+  CPU one pass of dequantize_cpu.cpp, the bits of PyTorch's expression `dequantize_torch`).
 - `quant_matmul_triton`: tiles of x times tiles of W dequantized in registers; W never exists in
   full precision outside the kernel. Accumulates in fp32.
 - `quant_matmul_cpu`: quant_matmul_cpu.cpp, an AVX2 kernel for a few fp32 rows (decoding,
@@ -101,7 +102,19 @@ def round_to_nearest_int4(weight: torch.Tensor, group_size: int):
 
 
 def dequantize(qweight, scales, zeros=None, group_size: int | None = None) -> torch.Tensor:
-    """The fp32 weight [N, K] the stored integers stand for."""
+    """The fp32 weight [N, K] the stored integers stand for: dequantize_torch's bits, in one pass of the CPU
+    kernel's (dequantize_cpu.cpp) where it is built."""
+    stored = torch.int8 if zeros is None else torch.uint8  # fp8 weights and others: PyTorch's expression
+    if (qweight.device.type == "cpu" and qweight.dtype == stored and qweight.dim() == 2 and scales.dtype == torch.float32
+            and (zeros is None or zeros.dtype == torch.float32) and cpu_ops() is not None):
+        if zeros is None:
+            return cpu_ops().int8_dequantize(qweight, scales, group_size or qweight.shape[1])
+        return cpu_ops().int4_dequantize(qweight, scales, zeros, group_size)
+    return dequantize_torch(qweight, scales, zeros, group_size)
+
+
+def dequantize_torch(qweight, scales, zeros=None, group_size: int | None = None) -> torch.Tensor:
+    """dequantize in PyTorch's operators: the definition, on any device."""
     if zeros is None and group_size is None:
         return qweight.float() * scales[:, None]
     if zeros is None:
@@ -200,7 +213,8 @@ def dense_kernel_max_rows() -> int:
 
 # (name, sources, cflags, ldflags). -ffp-contract=off: no multiply-add fused unless written so, as the
 # torch references compute.
-CPU_KERNEL_BUILD = ("speculators_forge_cpu", (Path(__file__).with_name("quant_matmul_cpu.cpp"),),
+CPU_KERNEL_BUILD = ("speculators_forge_cpu", (Path(__file__).with_name("quant_matmul_cpu.cpp"),
+                                               Path(__file__).with_name("dequantize_cpu.cpp")),
                     ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"), ("-fopenmp",))
 
 

@@ -37,6 +37,7 @@ from speculators.quant import QuantConfig, check_gguf_source, quantize
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NO_TARGET = ("no target: pass target.name_or_path=<folder or hub id> (or target.gguf_file=<model.gguf>, or a "
              "conf/target/ file: target=smollm2)")
+LOGITS = ("all", "last", "none")  # the positions whose logits FrozenTarget.__call__ returns
 
 
 # Config properties after which a target serves logits other than lm_head(hidden_states[L]): (what it does, the
@@ -335,22 +336,26 @@ class FrozenTarget:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 cache=None, position_ids: torch.Tensor | None = None, logits: bool = True) -> TargetOutput:
-        """Features and logits of every position; with a transformers Cache, continue after it. With
-        logits=False only the features: lm_head over a whole row is a fifth of SmolLM2-135M's forward."""
+                 cache=None, position_ids: torch.Tensor | None = None, logits: str = "all") -> TargetOutput:
+        """Features of every position and logits of `logits`: "all", "last" (a prompt's prefill decides the next
+        token alone) or "none"; with a transformers Cache, continue after it. lm_head over a whole row is a fifth
+        of SmolLM2-135M's forward."""
         if not self.layers:
             raise RuntimeError("this target was loaded without its decoder layers (layers=False)")
         if self.image_token_id is not None and bool((input_ids == self.image_token_id).any()):
             raise UserError(f"target {self.name_or_path} is multimodal: its language model is trained against and "
                             f"served with text only, and these tokens hold an image (token {self.image_token_id})")
         cache_kwarg = {self.cache_kwarg: cache} if cache is not None else {}
-        head_kwarg = {} if logits or not self.can_skip_logits else {"logits_to_keep": 1}
+        if logits not in LOGITS:
+            raise ValueError(f"logits={logits!r}: one of {', '.join(LOGITS)}")
+        head_kwarg = {} if logits == "all" or not self.can_skip_logits else {"logits_to_keep": 1}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=cache is not None, output_hidden_states=True, **cache_kwarg, **head_kwarg)
         device = input_ids.device  # a placed target's outputs come from the devices of its last layers
+        kept = out.logits if logits == "all" else out.logits[:, -1:]  # where logits_to_keep could not
         return TargetOutput(aux_hidden=[out.hidden_states[k].to(device, torch.float32) for k in self.layer_ids],
                             last_hidden=out.hidden_states[-1].to(device, torch.float32),
-                            logits=out.logits.to(device, torch.float32) if logits else None)
+                            logits=None if logits == "none" else kept.to(device, torch.float32))
 
 
 def logit_transforms(config) -> list[tuple[str, float]]:

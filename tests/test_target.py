@@ -95,7 +95,7 @@ def test_features_and_logits_match_the_model(target, text_batch):
 def test_features_without_logits_are_the_same_features(target, text_batch):
     """What the hidden-state cache asks for: no lm_head over the row, the features unchanged."""
     ids = text_batch[:, :32]
-    full, features = target(ids), target(ids, logits=False)
+    full, features = target(ids), target(ids, logits="none")
     assert target.can_skip_logits and features.logits is None
     for with_head, without in zip([*full.aux_hidden, full.last_hidden], [*features.aux_hidden, features.last_hidden]):
         assert torch.equal(with_head, without)

@@ -313,7 +313,7 @@ class TargetStates:
     def __call__(self, rows: torch.Tensor, batch_size: int):
         """(aux_hidden, last_hidden) of each batch of `rows`, in order."""
         for batch in rows.split(batch_size):
-            out = self.target(batch.to(self.target.device), logits=not self.checked)
+            out = self.target(batch.to(self.target.device), logits="none" if self.checked else "all")
             if not self.checked:
                 check_logits_recomputable(self.target, out)
                 self.checked = True
