@@ -198,8 +198,7 @@ SLOW = {
     "test_dflash.py": {"test_train_dflash_end_to_end", "test_original_dflash_export_bad_input_is_one_line"},
     "test_dspark.py": {"test_train_dspark_end_to_end", "test_sampled_markov_drafts_stay_lossless_with_and_without_a_plan"},
     "test_eagle.py": {"test_train_eagle_through_the_cli"},
-    "test_engine.py": {"test_generate_samples_the_target_distribution_end_to_end",
-                       "test_sampled_chains_that_stop_early_stay_lossless"},
+
     "test_export.py": {"test_convert_command_between_formats"},
     "test_gguf_quant.py": {"test_triton_kernel_in_the_interpreter"},
     "test_gpu.py": {"test_train_py_with_trainer_gpu_trains_exports_and_reports"},
@@ -222,6 +221,8 @@ SLOW = {
                             "test_every_bad_training_value_ends_in_one_line",
                             "test_every_bad_inference_value_ends_in_one_line"},
     "test_run_identity.py": {"test_sigterm_to_train_py_in_its_closing_report"},
+    "test_sampling.py": {"test_generate_samples_the_target_distribution_end_to_end",
+                         "test_sampled_chains_that_stop_early_stay_lossless"},
     "test_self_draft.py": {"test_sampling_with_another_model_as_copy_keeps_the_target_law"},
     "test_shipped_drafter.py": {"test_shipped_drafter_keeps_its_card_acceptance"},
     "test_shipped_target.py": {"test_default_recipe_trains_and_exports_for_the_shipped_target",

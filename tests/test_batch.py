@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import LAYER_IDS
-from test_engine import ALPHA, chi2_sf, chi_square, tiny_target
 from test_medusa import make_medusa
+from test_sampling import ALPHA, chi2_sf, chi_square, tiny_target
 
 from common.config import UserError
 from inference import engine, evalsets, report

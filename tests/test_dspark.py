@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import DRAFT_VOCAB, LAYER_IDS
 from test_cli import run_train
-from test_engine import check_two_token_law, tiny_target
+from test_sampling import check_two_token_law, tiny_target
 
 from common.config import UserError
 from inference.drafting import DraftingConfig

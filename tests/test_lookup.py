@@ -3,7 +3,8 @@ greedy output stays the target's and sampling stays lossless, and that the draft
 
 import pytest
 import torch
-from test_engine import MAX_NEW, capture_caches, check_two_token_law, prompts_of, tiny_target
+from test_engine import MAX_NEW, capture_caches, prompts_of
+from test_sampling import check_two_token_law, tiny_target
 
 from common.config import UserError
 from inference.draft import Draft

@@ -4,7 +4,8 @@ the verified sequence; a copy no cheaper than its target, or of another target, 
 
 import pytest
 from conftest import LAYER_IDS
-from test_engine import MAX_NEW, check_stats, check_two_token_law, prompts_of, tiny_target
+from test_engine import MAX_NEW, check_stats, prompts_of
+from test_sampling import check_two_token_law, tiny_target
 
 from common.config import UserError
 from inference import evalsets
