@@ -1,7 +1,10 @@
-"""The static fast path computes exactly what transformers computes, through prefill, decode and rollback."""
+"""The static fast path computes exactly what transformers computes, through prefill, decode and rollback; a
+prompt's prefill computes the logits of its last position alone (logits="last"), in both sessions and
+FrozenTarget: the same next token, the same features."""
 
 import warnings
 
+import pytest
 import torch
 from conftest import LAYER_IDS
 
@@ -43,3 +46,24 @@ def test_stacked_projections_follow_weights_that_move(target_dirs):
         layer.mlp.up_proj.weight.data = -layer.mlp.up_proj.weight.data
     torch.testing.assert_close(StaticSession(target, 16)(tokens).logits, HFSession(target)(tokens).logits,
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("session_class", [StaticSession, HFSession])
+def test_prefill_computes_the_last_positions_logits_alone(session_class, llama_target, text_batch):
+    prompt = text_batch[:1, :40]
+    opened = (lambda: session_class(llama_target, 64)) if session_class is StaticSession else (
+        lambda: session_class(llama_target))
+    everything, last = opened()(prompt), opened()(prompt, logits="last")
+    assert last.logits.shape == (1, 1, llama_target.vocab_size)
+    torch.testing.assert_close(last.logits, everything.logits[:, -1:], rtol=1e-5, atol=1e-5)
+    assert last.logits.argmax() == everything.logits[0, -1].argmax()
+    for whole, alone in zip([*everything.aux_hidden, everything.last_hidden], [*last.aux_hidden, last.last_hidden]):
+        assert torch.equal(whole, alone)
+
+
+def test_frozen_target_names_the_logits_it_returns(llama_target, text_batch):
+    ids = text_batch[:, :16]
+    assert llama_target(ids, logits="last").logits.shape == (2, 1, llama_target.vocab_size)
+    assert llama_target(ids, logits="none").logits is None
+    with pytest.raises(ValueError, match="logits='first'"):
+        llama_target(ids, logits="first")
