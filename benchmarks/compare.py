@@ -204,12 +204,8 @@ def main(cfg: DictConfig) -> None:
     from speculators import export
 
     cfg = to_dataclass(CompareConfig, cfg)
-    first, target = report.load_pair(cfg.drafters[0], cfg.target, cfg.quant)
-    drafters = [(cfg.drafters[0], first, export.training_record(cfg.drafters[0]))]
-    for path in cfg.drafters[1:]:
-        drafter, _ = export.load(Path(path))
-        export.share_target_embedding(drafter, target)
-        drafters.append((path, drafter.eval(), export.training_record(path)))
+    loaded, target = report.load_drafters(cfg.drafters, cfg.target, cfg.quant)
+    drafters = [(path, drafter, export.training_record(path)) for path, drafter in zip(cfg.drafters, loaded)]
     prompts = [p.ids for p in evalsets.prompts(cfg.eval, target, cfg.max_new_tokens)]
     rows = methods(drafters, cfg)
     run(target, rows, prompts, cfg)

@@ -242,17 +242,12 @@ def serve(cfg: PeerBenchConfig, drafters: dict[str, Path]) -> dict:
     from inference import evalsets, report
     from inference.drafting import DraftingConfig
     from inference.engine import Stats, generate
-    from speculators import export
     from speculators.quant import QuantConfig
 
     torch.set_num_threads(cfg.threads)
     names = list(drafters)
-    first, target = report.load_pair(str(drafters[names[0]]), None, QuantConfig(cfg.quant))
-    loaded = {names[0]: first}
-    for name in names[1:]:
-        d, _ = export.load(drafters[name])
-        export.share_target_embedding(d, target)
-        loaded[name] = d.eval()
+    served, target = report.load_drafters([str(drafters[name]) for name in names], None, QuantConfig(cfg.quant))
+    loaded = dict(zip(names, served))
     prompts = []
     for set_name, count, turns in (("mtbench", cfg.mtbench_conversations, 2), ("sharegpt", cfg.sharegpt_conversations, 1)):
         if count:  # 0: the set left out

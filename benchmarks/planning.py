@@ -92,12 +92,8 @@ def main(cfg: DictConfig) -> None:
 
     cfg = to_dataclass(PlanningConfig, cfg)
     out = Path(cfg.out or HydraConfig.get().runtime.output_dir)
-    first, target = report.load_pair(cfg.drafters[0], cfg.target, cfg.quant)
-    loaded = [(cfg.drafters[0], first)]
-    for path in cfg.drafters[1:]:
-        drafter, _ = export.load(Path(path))
-        export.share_target_embedding(drafter, target)
-        loaded.append((path, drafter.eval()))
+    drafters, target = report.load_drafters(cfg.drafters, cfg.target, cfg.quant)
+    loaded = list(zip(cfg.drafters, drafters))
     labels = [f"{Path(path).parent.name or path}" for path, _ in loaded]
     prompts = [p.ids for p in evalsets.prompts(cfg.eval, target, cfg.max_new_tokens)]
     held_out, timed = prompts[: cfg.calibration_prompts], prompts[cfg.calibration_prompts :]

@@ -81,6 +81,32 @@ def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
     return drafter.eval(), target
 
 
+def load_drafters(paths: list[str], target_path: str | None = None, quant=None) -> tuple[list, object]:
+    """(drafters, target) for several drafters served against one target (comparisons): the target loaded for
+    the first export that reads target layers (else for the first drafter, which may be a self-drafting
+    copy), and load_pair's checks for every one. Drafters that read different layers cannot share a target:
+    refused in one line."""
+    from speculators import export
+
+    drafters = [None if path.startswith(SELF_PREFIX) else export.load(Path(path))[0] for path in paths]
+    reading = {tuple(d.layer_ids): path for d, path in zip(drafters, paths) if d is not None and d.layer_ids}
+    if len(reading) > 1:
+        raise UserError("these drafters read different target layers, which one target cannot serve at once: "
+                        + "; ".join(f"{path} {list(ids)}" for ids, path in reading.items())
+                        + "; compare them in separate runs")
+    first = next((i for i, d in enumerate(drafters) if d is not None and d.layer_ids), 0)
+    drafters[first], target = load_pair(paths[first], target_path, quant)
+    for i, (drafter, path) in enumerate(zip(drafters, paths)):
+        if drafter is None:
+            raise UserError(f"drafters: {path} drafts with a copy of the target, which is compared as the first "
+                            f"drafter only")
+        if i != first:
+            check_trained_for(path, drafter, target)
+            export.share_target_embedding(drafter, target)
+            drafters[i] = drafter.eval()
+    return drafters, target
+
+
 def load_self_pair(scheme: str, target_path: str | None, quant: QuantConfig):
     """(the target's copy quantized with `scheme` as drafter, the target served with `quant`)."""
     from speculators.target import FrozenTarget, TargetConfig

@@ -82,6 +82,9 @@ class Drafter(nn.Module, metaclass=ABCMeta):
             problems.append(f"d2t length {len(self.d2t)} vs the drafter's {self.lm_head.out_features} draft tokens")
         if max(self.layer_ids or [0]) >= target.num_layers:
             problems.append(f"feature layer ids {self.layer_ids} (drafter) vs a target of {target.num_layers} layers")
+        served = getattr(target, "layer_ids", None)  # a TargetShape, read before loading, serves none yet
+        if self.layer_ids and served is not None and list(served) != list(self.layer_ids):
+            problems.append(f"it reads target layers {self.layer_ids}; the target was loaded to serve {list(served)}")
         return problems
 
     def add_target_parts(self, cfg, layer_cfg, layer_ids: list[int]) -> tuple[int, int]:

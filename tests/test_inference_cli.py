@@ -119,6 +119,37 @@ def test_a_drafter_trained_for_another_target_is_refused(llama_dir, llama_target
     assert served.fingerprint() == llama_target.fingerprint()
 
 
+def test_drafters_compared_on_one_target_get_the_layers_they_read(llama_dir, llama_target, make_drafter, tmp_path):
+    """A comparison serves every drafter with one target, loaded for the layers they read: an EAGLE-1 (none: the
+    last state) first beside an EAGLE-3 (LAYER_IDS) gets a target serving LAYER_IDS; two drafters reading
+    different layers are refused in one line, and so is a drafter served by a target loaded for other layers."""
+    import pytest
+    import torch
+    from conftest import LAYER_IDS
+
+    from common.config import UserError
+    from inference import report
+    from inference.engine import check_pair
+    from speculators.eagle import EagleConfig, EagleDrafter
+
+    counts = torch.ones(llama_target.vocab_size)
+    verifier = export.Verifier.of(llama_target)
+    eagle1 = export.save(EagleDrafter.from_target(EagleConfig(depth=2), llama_target, counts), tmp_path / "eagle1",
+                         verifier)
+    eagle3 = export.save(make_drafter(llama_target), tmp_path / "eagle3", verifier)
+    other_layers = make_drafter(llama_target)
+    other_layers.layer_ids = [2, 1, 0]  # the same shapes, other layers
+    moved = export.save(other_layers, tmp_path / "other-layers", verifier)
+
+    drafters, target = report.load_drafters([str(eagle1), str(eagle3)])
+    assert target.layer_ids == LAYER_IDS and [type(d).__name__ for d in drafters] == ["EagleDrafter", "Eagle3Drafter"]
+    with pytest.raises(UserError, match="different target layers") as refused:
+        report.load_drafters([str(eagle3), str(moved)])
+    assert "[2, 1, 0]" in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(UserError, match=r"reads target layers \[2, 1, 0\]; the target was loaded to serve \[0, 1, 2\]"):
+        check_pair(target, export.load(moved)[0])
+
+
 def never_loaded(*args, **kwargs):
     raise AssertionError("the target loaded before the drafter was refused")
 
