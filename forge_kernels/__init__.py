@@ -7,7 +7,8 @@ reaches kernels/ through its __path__; the wheel puts those modules beside this 
 One dispatch rule, `use_triton` (kernels/dispatch.py): Triton on CUDA tensors; Triton's interpreter on CPU tensors
 when the process runs with TRITON_INTERPRET=1 (the tests); plain torch everywhere else.
 Where the rule says torch, the quantized matmul also has a C++ CPU kernel for few rows
-(quant_matmul_cpu.cpp; when it serves: kernels/quant_matmul.py).
+(quant_matmul_cpu.cpp; when it serves: kernels/quant_matmul.py), and for many rows a one-pass dequantization
+(dequantize_cpu.cpp).
 Triton decides when it decorates a function whether it is interpreted, and it decorates its own
 tl.sum, tl.max, ... when it is imported, so TRITON_INTERPRET=1 must be in the environment
 before anything imports triton. `use_triton` reads the value our kernels were decorated with.
