@@ -11,4 +11,6 @@ REPORT="serve_eval.ks=[2] serve_eval.plan=false"
 [ -f $RUNS/eagle1/export/config.json ] || python train.py conf=eagle $DATA $RUN $REPORT hydra.run.dir=$RUNS/eagle1
 [ -f $RUNS/peagle/export/config.json ] || python train.py conf=peagle $DATA $RUN drafter.draft_vocab_size=8192 $REPORT hydra.run.dir=$RUNS/peagle
 [ -f $RUNS/medusa/export/config.json ] || python train.py conf=medusa $DATA $RUN 'target.layer_ids=[2,15,27]' $REPORT hydra.run.dir=$RUNS/medusa
-python -m benchmarks.planning "drafters=[$RUNS/eagle1/export,$RUNS/peagle/export,$RUNS/medusa/export]" quant=gguf eval=mtbench eval.turns=1 eval.num_prompts=12 calibration_prompts=4 "ks=[1,2,4]" max_new_tokens=64 repeats=2 out=results/smollm2/families_400/dspark/planning_packed_others
+PLAN=(quant=gguf eval=mtbench eval.turns=1 eval.num_prompts=12 calibration_prompts=4 "ks=[1,2,4]" max_new_tokens=64 repeats=2)
+python -m benchmarks.planning "drafters=[$RUNS/eagle1/export,$RUNS/peagle/export]" "${PLAN[@]}" out=results/smollm2/families_400/dspark/planning_packed_others
+python -m benchmarks.planning "drafters=[$RUNS/medusa/export]" "${PLAN[@]}" out=results/smollm2/families_400/dspark/planning_packed_medusa
