@@ -65,7 +65,7 @@ class BatchMedusaChainProposer(MedusaChainProposer):
 
     def accept(self, inputs: torch.Tensor, target_out: TargetOutput, counts: torch.Tensor) -> None:
         last = target_out.last_hidden[torch.arange(len(counts), device=counts.device), counts - 1]
-        self.logits = self.drafter.head_logits(last)[:, : self.k]  # [B, k, V]
+        self.logits = self.drafter.head_logits(last, range(self.k))  # [B, k, V]
 
     def propose(self, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         if temperature == 0:

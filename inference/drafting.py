@@ -111,8 +111,8 @@ class ChainProposer(DrafterCacheProposer):
         verified, tokens, probs, estimates = self.cache.length, [], [], []
         logits, hidden = self.logits, self.hidden
         for i in range(self.k):
-            if i and self.planner and not self.planner.keep_going(estimates + estimates[-1:], self.k, spent=i):
-                break  # not worth a drafter step even if this draft is as likely as the last one
+            if self.planner and not self.planner.worth_drafting(estimates, self.k):
+                break
             if i:
                 logits, hidden = self.drafter.step(self.cache, torch.tensor([tokens[-1:]], device=self.device),
                                                    hidden[:, -1:])
@@ -121,7 +121,7 @@ class ChainProposer(DrafterCacheProposer):
                 break
             if self.planner:
                 estimates.append(self.planner.calibrated(i + 1, logit(top)))
-                if i and not self.planner.keep_going(estimates, self.k, spent=i + 1):  # its step is paid for
+                if not self.planner.worth_verifying(estimates, self.k):
                     estimates.pop()
                     break
             if temperature == 0:
@@ -323,7 +323,9 @@ class MedusaChainProposer:
     position (whose next token is the bonus token just emitted, so head i drafts the token i
     after it). No drafter cache: the heads read that one position's last hidden state. The
     drafts do not condition on each other: argmax each (greedy), or sample each from its
-    head's tempered softmax, q over the target vocabulary (Medusa's is the target's)."""
+    head's tempered softmax, q over the target vocabulary (Medusa's is the target's). Each head
+    projects onto the whole vocabulary, so heads are computed one at a time and, with a planner,
+    only while the next draft may be worth verifying (as a chain's steps)."""
 
     def __init__(self, drafter, k: int, vocab_size: int, max_len: int, drafting: DraftingConfig, device=None):
         if k > drafter.depth:
@@ -336,14 +338,25 @@ class MedusaChainProposer:
         self.accept([token], target_out)
 
     def accept(self, new_tokens: list[int], target_out: TargetOutput) -> None:
-        self.logits = self.drafter.head_logits(target_out.last_hidden[:, -1])[0, : self.k]  # [k, V]
+        self.last = target_out.last_hidden[:, -1]  # [1, H]
 
     def propose(self, temperature: float, generator: torch.Generator) -> Draft:
-        top = torch.softmax(self.logits, -1).amax(-1)
-        if temperature == 0:
-            return planned(self.planner, Draft.chain(self.logits.argmax(-1).tolist()), top)
-        q = torch.softmax(self.logits / temperature, -1)
-        return planned(self.planner, Draft.chain(sample(q, generator)[:, 0].tolist(), q), top)
+        tokens, probs, estimates = [], [], []
+        for i in range(self.k):
+            if self.planner and not self.planner.worth_drafting(estimates, self.k):
+                break
+            logits = self.drafter.head_logits(self.last, range(i, i + 1))[0, 0]
+            if self.planner:
+                estimates.append(self.planner.calibrated(i + 1, logit(float(torch.softmax(logits, -1).max()))))
+                if not self.planner.worth_verifying(estimates, self.k):
+                    estimates.pop()
+                    break
+            if temperature == 0:
+                tokens.append(int(logits.argmax()))
+            else:
+                probs.append(torch.softmax(logits / temperature, -1))
+                tokens.append(int(sample(probs[-1], generator)))
+        return Draft.chain(tokens, torch.stack(probs) if probs else None, estimates=estimates or None)
 
 
 class MedusaTreeProposer(MedusaChainProposer):
@@ -360,9 +373,11 @@ class MedusaTreeProposer(MedusaChainProposer):
         node = {path: i for i, path in enumerate(self.paths)}
         self.parents = [node[path[:-1]] if len(path) > 1 else -1 for path in self.paths]
         self.ranks = 1 + max(max(path) for path in self.paths)  # candidates needed per head
+        self.depth = max(len(path) for path in self.paths)  # the heads the tree reads
 
     def propose(self, temperature: float, generator: torch.Generator) -> Draft:
-        best = self.logits.topk(self.ranks, dim=-1).indices.tolist()  # [k, ranks]: head i's candidates, best first
+        heads = self.drafter.head_logits(self.last, range(self.depth))[0]
+        best = heads.topk(self.ranks, dim=-1).indices.tolist()  # [depth, ranks]: head i's candidates, best first
         return Draft([best[len(path) - 1][path[-1]] for path in self.paths], list(self.parents))
 
 

@@ -10,8 +10,8 @@ TensorRT-LLM's sts.json). The planner picks n with the highest expected tokens p
   global argmax over n, as TensorRT-LLM's planner takes it (the cost is a staircase, so the first drop is not
   the maximum).
 - `keep_going(c_1..c_j)`: drafts decided one at a time from estimates that depend only on the drafts before
-  them (EAGLE chains, sampled DSpark): continue while some n >= j, with the later estimates forecast as c_j,
-  beats stopping at j - 1. A stopping rule of that kind never looks at the draft it decides on, so sampled
+  them (EAGLE chains, Medusa's heads, sampled DSpark): continue while some n >= j, with the later estimates
+  forecast as c_j, beats stopping at j - 1. A stopping rule of that kind never looks at the draft it decides on, so sampled
   verification stays lossless; greedy verification is exact whatever is verified.
 
 Verification itself is unchanged: the planner only decides how much is verified, never what is accepted.
@@ -128,7 +128,7 @@ def measure_target(session_factory, target_key: str, tokens: int, context: int, 
 @dataclass
 class Planner:
     """Chooses how many drafts a cycle verifies (module doc). `per_pass`: the drafter's cost is one pass
-    whatever is verified (blocks, P-EAGLE, Medusa), else one step per draft (chains)."""
+    whatever is verified (blocks, P-EAGLE), else one step per draft (chains, Medusa's heads)."""
 
     costs: StepCosts
     per_pass: bool
@@ -150,8 +150,8 @@ class Planner:
             self.draft_ms = self.draft_ms[-15:] + [1000 * seconds / (1 if self.per_pass else drafts)]
 
     def cost(self, n: int, spent: int = 0) -> float:
-        """A cycle verifying n drafts, of which the drafter has already drafted `spent` (a chain's steps are paid
-        whether or not their drafts are verified)."""
+        """A cycle verifying n drafts, of which the drafter has already drafted `spent` (a chain's steps and
+        Medusa's heads are paid whether or not their drafts are verified)."""
         draft = self.drafter_ms() * (1 if self.per_pass else max(n, spent))
         return draft + self.costs.verify(n + 1)
 
@@ -170,6 +170,15 @@ class Planner:
             return len(estimates)
         rates = self.rates(estimates)
         return max(range(len(rates)), key=lambda n: (rates[n], -n))
+
+    def worth_drafting(self, estimates: list[float], limit: int) -> bool:
+        """Before paying for the next draft of a chain decided one draft at a time: whether it could be worth
+        verifying if it were as likely as the last one (the first draft always is)."""
+        return not estimates or self.keep_going(estimates + estimates[-1:], limit, spent=len(estimates))
+
+    def worth_verifying(self, estimates: list[float], limit: int) -> bool:
+        """After paying for draft j (its estimate last in `estimates`): whether it is verified."""
+        return len(estimates) == 1 or self.keep_going(estimates, limit, spent=len(estimates))
 
     def keep_going(self, estimates: list[float], limit: int, spent: int = 0) -> bool:
         """Whether draft j = len(estimates) is worth verifying, with drafts j+1..limit forecast at c_j and `spent`
@@ -227,6 +236,7 @@ def make_planner(target, drafter, k: int, drafting) -> Planner:
                                  drafting.cost_table, drafting.remeasure)
         file = drafting.calibration or drafter.calibration_file
         temperatures = read_temperatures(Path(file), target.fingerprint()) if file else None
-        planners[settings] = Planner(costs, per_pass=drafter.drafting_kind != "autoregressive",
+        # Chains draft one step, and Medusa one head, per draft; the others one pass whatever is verified.
+        planners[settings] = Planner(costs, per_pass=drafter.drafting_kind not in ("autoregressive", "heads"),
                                      temperatures=temperatures)
     return planners[settings]

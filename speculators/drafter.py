@@ -172,8 +172,8 @@ class HeadsDrafter(Drafter):
     drafting_kind = "heads"
 
     @abstractmethod
-    def head_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """[B, depth, V]: every head's logits at one position per row, last_hidden [B, H]."""
+    def head_logits(self, last_hidden: torch.Tensor, heads: range | None = None) -> torch.Tensor:
+        """[B, len(heads), V]: the logits of `heads` (all by default) at one position per row, last_hidden [B, H]."""
 
 
 def eagle3_layout_keys(drafter: Drafter) -> dict:

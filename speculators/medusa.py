@@ -162,6 +162,8 @@ class MedusaDrafter(HeadsDrafter):
         return loss, metrics
 
     @torch.no_grad()
-    def head_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """[B, K, V]: every head's logits at one position per row, last_hidden [B, H]."""
-        return torch.stack([head(last_hidden) for head in self.heads], dim=1)
+    def head_logits(self, last_hidden: torch.Tensor, heads: range | None = None) -> torch.Tensor:
+        """[B, len(heads), V]: the logits of `heads` (all by default) at one position per row, last_hidden [B, H].
+        Each head projects onto the whole vocabulary, so serving computes only the heads it drafts with."""
+        return torch.stack([self.heads[i](last_hidden) for i in (range(len(self.heads)) if heads is None else heads)],
+                           dim=1)

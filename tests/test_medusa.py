@@ -17,6 +17,7 @@ from test_cli import REPO, run_train
 from common.config import UserError, to_dataclass
 from inference.drafting import DraftingConfig, MedusaChainProposer, MedusaTreeProposer
 from inference.engine import generate, select_rows
+from inference.planning import Planner, StepCosts, machine
 from inference.sessions import open_session
 from speculators import export
 from speculators.export import Verifier
@@ -250,6 +251,25 @@ def test_chain_drafts_are_each_heads_argmax_at_the_last_verified_position(target
     assert short.propose(0.0, torch.Generator()).tokens == draft.tokens[:2]
     with pytest.raises(UserError, match=f"k={K + 1}"):
         MedusaChainProposer(drafter, K + 1, target.vocab_size, 128, DraftingConfig())
+
+
+def test_only_the_heads_drafted_with_are_computed(target, text_batch):
+    """Each head projects onto the whole vocabulary: K=2 computes two heads, and a plan that stops after the
+    first draft computes one (a drafter this slow is worth one draft at most)."""
+    drafter, prompt = make_medusa(target).eval(), text_batch[0, :12].tolist()
+    computed = []
+    for i, head in enumerate(drafter.heads):
+        head.register_forward_hook(lambda module, args, out, i=i: computed.append(i))
+    short, _ = prefilled(MedusaChainProposer, drafter, target, prompt, k=2)
+    computed.clear()
+    assert len(short.propose(0.0, torch.Generator()).tokens) == 2 and computed == [0, 1]
+
+    planned, _ = prefilled(MedusaChainProposer, drafter, target, prompt)
+    planned.planner = Planner(StepCosts([10.0] * (K + 1), 16, "t", machine()), per_pass=False)
+    planned.planner.record_draft(1.0, 1)  # 1 s a head against 10 ms a verification
+    computed.clear()
+    draft = planned.propose(0.0, torch.Generator())
+    assert len(draft.tokens) == 1 and len(draft.estimates) == 1 and computed == [0]
 
 
 def paths_of(draft, heads: torch.Tensor) -> list[tuple[int, ...]]:

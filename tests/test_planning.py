@@ -119,11 +119,13 @@ def test_a_position_seen_too_little_takes_the_shared_temperature():
     assert calibration.fit(never + [(1, 0.9, True)] * 5, 2) == [1.0, 1.0]
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dspark", "lookup"])
+@pytest.mark.parametrize("kind", ["eagle3", "dspark", "medusa", "lookup"])
 def test_planned_greedy_outputs_are_the_targets_own(llama_target, make_drafter, text_batch, tmp_path, kind):
     from test_dspark import make_dspark
+    from test_medusa import make_medusa
 
-    drafter = make_dspark(llama_target, text_batch) if kind == "dspark" else make_drafter(llama_target)
+    drafter = {"dspark": lambda: make_dspark(llama_target, text_batch),
+               "medusa": lambda: make_medusa(llama_target)}.get(kind, lambda: make_drafter(llama_target))()
     drafting = DraftingConfig(plan=True, cost_table=str(tmp_path / "costs.json"),
                               prompt_lookup_max=3 if kind == "lookup" else 0)
     for row in range(2):
