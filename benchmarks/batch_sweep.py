@@ -124,7 +124,7 @@ def plot(result: dict, path: Path) -> None:
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     cfg = to_dataclass(BatchSweepConfig, cfg)
-    drafter, target = report.load_pair(cfg.drafter, cfg.target, cfg.quant)
+    drafter, target = report.load_pair(cfg.drafter, cfg.target, cfg.quant, cfg.drafter_quant)
     result = sweep(target, drafter, evalsets.prompts(cfg.eval, target, cfg.max_new_tokens), cfg)
     write_result(Path(cfg.out or HydraConfig.get().runtime.output_dir), result, markdown(result), "batch_sweep.json",
                  "batch_sweep.md", lambda path: plot(result, path))

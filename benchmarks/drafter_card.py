@@ -137,7 +137,7 @@ def bound(chain: dict, k: int) -> dict:
 def measure(cfg: DrafterCardConfig) -> dict:
     record = export.training_record(Path(cfg.drafter)) or {}
     served = QuantConfig(**record.get("quant", {}))
-    drafter, packed = report.load_pair(cfg.drafter, quant=served)
+    drafter, packed = report.load_pair(cfg.drafter, quant=served, drafter_quant="none")  # as trained, as engines get it
     k = serving_k(drafter, None)
     card = {"drafter": cfg.drafter, "target": packed.name_or_path, "served_quant": asdict(served), "k": k,
             "training": record, "config": asdict(cfg), "lookup": asdict(lookup(cfg)), "acceptance": {}}

@@ -406,7 +406,8 @@ def measure(cfg: EnginesConfig, out: Path, python: Path | None) -> dict:
 
     def pair(quant: QuantConfig):
         if quant.scheme not in pairs:
-            pairs[quant.scheme] = report.load_pair(cfg.drafter, quant=quant)
+            # the drafter as trained, as the other engines load it (llama.cpp's GGUF is written from it)
+            pairs[quant.scheme] = report.load_pair(cfg.drafter, quant=quant, drafter_quant="none")
         return pairs[quant.scheme]
 
     drafter, target = pair(quants[cfg.engines[0]])

@@ -212,7 +212,8 @@ def measure(drafter_path: str, drafter, target, cfg: LlamacppBenchConfig, out: P
 def main(cfg: DictConfig) -> None:
     cfg = to_dataclass(LlamacppBenchConfig, cfg)
     record = export.training_record(Path(cfg.drafter)) or {}
-    drafter, target = report.load_pair(cfg.drafter, quant=QuantConfig(**record.get("quant", {})))
+    # the drafter as trained: llama.cpp serves the GGUF written from it
+    drafter, target = report.load_pair(cfg.drafter, quant=QuantConfig(**record.get("quant", {})), drafter_quant="none")
     out = Path(cfg.out or HydraConfig.get().runtime.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = measure(cfg.drafter, drafter, target, cfg, out)

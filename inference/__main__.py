@@ -18,7 +18,7 @@ from inference import evalsets, report
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     cfg = to_dataclass(report.InferenceConfig, cfg)
-    drafter, target = report.load_pair(cfg.drafter, cfg.target, cfg.quant)
+    drafter, target = report.load_pair(cfg.drafter, cfg.target, cfg.quant, cfg.drafter_quant)
     result = report.measure(target, drafter, evalsets.prompts(cfg.eval, target, cfg.max_new_tokens), cfg)
     out_dir = Path(cfg.out or HydraConfig.get().runtime.output_dir)
     path = report.write(result, out_dir)

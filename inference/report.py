@@ -25,7 +25,7 @@ from inference import calibration
 from inference.drafting import DraftingConfig, serving_k
 from inference.engine import Stats, check_pair, generate_batch
 from inference.evalsets import EvalConfig, Prompt
-from speculators.quant import QuantConfig, describe, precision_breakdown
+from speculators.quant import QuantConfig, describe, linear_precision, precision_breakdown
 from speculators.self_draft import SELF_DRAFT_TOKENS, SELF_PREFIX, SelfDrafter, check_lower_precision
 
 
@@ -39,6 +39,8 @@ class InferenceConfig:
     temperature: float = 0.0
     k: int | None = None  # chain length K (tree depth with drafting.mode=tree); None: the drafter's own
     drafting: DraftingConfig = field(default_factory=DraftingConfig)
+    drafter_quant: str | None = None  # the drafter's linear layers served with this scheme (int8, int4, fp8; none:
+    # as trained); null: int8 on a CPU, none on a GPU (speculators.quant.serving_quant)
     batch_size: int = 1  # prompts decoded together (chains only); 1 is the single-sequence fast path
     acceptance_tolerance: float = 0.0  # > 0: typical acceptance of greedy chains (kernels/verify.py), not lossless
     seed: int = 0
@@ -60,9 +62,10 @@ class InferenceConfig:
             check_folder_writable(Path(self.out), "out")
 
 
-def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
-    """(drafter, target) from an export; the target is the verifier its config names unless given.
-    drafter=self:<scheme>: the target's own copy quantized with <scheme> drafts (speculators/self_draft.py)."""
+def load_pair(drafter_path: str, target_path: str | None = None, quant=None, drafter_quant: str | None = None):
+    """(drafter, target) from an export; the target is the verifier its config names unless given, the drafter
+    as export.serving makes it (`drafter_quant`). drafter=self:<scheme>: the target's own copy quantized with
+    <scheme> drafts (speculators/self_draft.py)."""
     from speculators import export
     from speculators.target import FrozenTarget, TargetConfig, TargetShape
 
@@ -77,8 +80,7 @@ def load_pair(drafter_path: str, target_path: str | None = None, quant=None):
     check_trained_for(drafter_path, drafter, TargetShape.read(target_cfg))
     target = FrozenTarget.load(target_cfg, quant or QuantConfig())
     check_trained_for(drafter_path, drafter, target)
-    export.share_target_embedding(drafter, target)
-    return drafter.eval(), target
+    return export.serving(drafter, target, drafter_quant), target
 
 
 def load_drafters(paths: list[str], target_path: str | None = None, quant=None) -> tuple[list, object]:
@@ -102,8 +104,7 @@ def load_drafters(paths: list[str], target_path: str | None = None, quant=None) 
                             f"drafter only")
         if i != first:
             check_trained_for(path, drafter, target)
-            export.share_target_embedding(drafter, target)
-            drafters[i] = drafter.eval()
+            drafters[i] = export.serving(drafter, target)
     return drafters, target
 
 
@@ -156,7 +157,9 @@ def measure_arms(target, arms: dict[str, tuple], prompts: list[Prompt], cfg: Inf
     turns = sorted({p.turn for p in prompts})
     per_turn = {turn: measure_turn(target, arms, [p for p in prompts if p.turn == turn], cfg) for turn in turns}
     return {name: arm_report(target, {turn: tallies[name] for turn, tallies in per_turn.items()},
-                             replace(cfg, k=k, drafting=drafting)) for name, (_, k, drafting) in arms.items()}
+                             replace(cfg, k=k, drafting=drafting))
+            | {"drafter_linears": linear_precision(drafter) if isinstance(drafter, torch.nn.Module) else None}
+            for name, (drafter, k, drafting) in arms.items()}
 
 
 def arm_report(target, per_turn: dict[int, "Tally"], cfg: InferenceConfig) -> dict:
@@ -378,6 +381,7 @@ def table(report: dict) -> str:
            f"{report['drift']['baseline_log_likelihood_per_token']:.3f}"] if report.get("drift") else []),
         *([f"target weights: {report['weights_precision']}"]
           if report.get("weights_precision") and report["config"]["quant"]["scheme"] != "none" else []),
+        *([f"drafter's linear layers served in {report['drafter_linears']}"] if report.get("drafter_linears") else []),
         f"outputs match target-only greedy: {report['outputs_match_baseline']}" + (
             " (w8a8 rounds activations, which amplifies last-bit differences between a 1-token and a "
             "(k+1)-token forward: lossless in distribution, not always token for token)"

@@ -36,6 +36,7 @@ from common.config import UserError
 from common.files import check_writable, disk_error, remove, sync_file, write_atomically
 from speculators.formats import FORMATS, Format, Verifier, export_format, families_of, format_of
 from speculators.layers import decoding_linears
+from speculators.quant import QuantizedLinear, quantized_linears, serving_quant
 
 
 def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, training: dict | None = None,
@@ -45,6 +46,9 @@ def save(drafter, out_dir: Path, verifier: Verifier, overwrite: bool = False, tr
     `fmt` defaults to the drafter's own format (`export_format`); `dtype` (e.g. bfloat16) stores the
     floating-point weights in it (None: as they are); `shared_embedding` leaves out an EAGLE-3 drafter's
     embed_tokens, as does a drafter loaded from an export that left it to the target."""
+    if any(isinstance(m, QuantizedLinear) for m in drafter.modules()):
+        raise UserError("this drafter's linear layers are quantized for serving (drafter_quant): export the drafter "
+                        "as trained, or load it with drafter_quant=none")
     fmt = fmt or drafter.export_format
     spec = export_format(fmt)
     if fmt not in drafter.export_formats and drafter.family not in spec.families:
@@ -198,6 +202,15 @@ def share_target_embedding(drafter, target) -> None:
     if "mask_embedding" in drafter.left_to_target:
         drafter.reset_mask_embedding()
     drafter.left_to_target = ()
+
+
+def serving(drafter, target, quant: str | None = None):
+    """`drafter` ready to serve `target`: the target's tensors its export left out (share_target_embedding), on
+    the target's device, in eval mode, its linear layers quantized with scheme `quant` (null: quant.serving_quant,
+    int8 on a CPU). What it drafts changes a little; what the target emits does not (verification)."""
+    share_target_embedding(drafter, target)
+    drafter = drafter.eval().to(target.device)
+    return quantized_linears(drafter, quant or serving_quant(target.device))
 
 
 def set_best_k(path: Path, k: int) -> None:

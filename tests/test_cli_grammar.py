@@ -29,6 +29,7 @@ COMMANDS = {
     "benchmarks.compare": ("max_new_tokenz=3", "max_new_tokens", None),
     "benchmarks.device_check": ("stepz=3", "steps", None),
     "benchmarks.drafter_card": ("num_promptz=3", "num_prompts", "drafter"),
+    "benchmarks.drafter_quant": ("schemez=[int8]", "schemes", "drafter"),
     "benchmarks.engines": ("max_new_tokenz=3", "max_new_tokens", "drafter"),
     "benchmarks.llamacpp_bench": ("max_new_tokenz=3", "max_new_tokens", "drafter"),
     "benchmarks.memory_plan": ("seq_lenn=64", "seq_len", "target"),

@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from benchmarks.batch_sweep import BatchSweepConfig
+from benchmarks.drafter_quant import DrafterQuantConfig
 from benchmarks.bench import BenchConfig
 from benchmarks.llamacpp_bench import LlamacppBenchConfig
 from common.config import (
@@ -46,7 +47,8 @@ def test_every_recipe_maps_onto_its_dataclasses(recipe):
 
 @pytest.mark.parametrize("folder, name, cls", [("inference", "config", InferenceConfig), ("benchmarks", "bench", BenchConfig),
                                                ("benchmarks", "llamacpp_bench", LlamacppBenchConfig),
-                                               ("benchmarks", "batch_sweep", BatchSweepConfig)])
+                                               ("benchmarks", "batch_sweep", BatchSweepConfig),
+                                               ("benchmarks", "drafter_quant", DrafterQuantConfig)])
 def test_inference_configs_map_onto_their_dataclasses(folder, name, cls):
     to_dataclass(cls, composed(["drafter=some/export"], CONF / folder, name))
 

@@ -32,7 +32,7 @@ def test_shipped_drafter_keeps_its_card_acceptance():
     card = json.loads((MODEL / "card.json").read_text())
     check = card["check"]
     served = QuantConfig(**card["served_quant"])
-    drafter, target = report.load_pair(str(MODEL), quant=served)
+    drafter, target = report.load_pair(str(MODEL), quant=served, drafter_quant="none")  # as the card measured it
     eval_cfg = EvalConfig("mtbench", num_prompts=check["num_prompts"], turns=1)
     new_tokens = card["config"]["check_new_tokens"]
     cfg = report.InferenceConfig(drafter=str(MODEL), quant=served, eval=eval_cfg, max_new_tokens=new_tokens,

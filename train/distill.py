@@ -195,11 +195,10 @@ def plan_summary(figures: dict, temperatures, target, drafter, export_dir: Path)
 
 
 def served_export(path, target: FrozenTarget):
-    """A drafter as engines get it: read back from its export (its serving layers: speculators.layers'
-    decoding_linears), the target's embeddings shared where the export left them out."""
+    """A drafter as our engine serves it: read back from its export (its serving layers: speculators.layers'
+    decoding_linears), ready for the target (export.serving: on a CPU its linear layers in int8)."""
     drafter, _ = export.load(Path(path))
-    export.share_target_embedding(drafter, target)
-    return drafter.eval().to(target.device)
+    return export.serving(drafter, target)
 
 
 def paired_gain(after: dict, before: dict) -> dict | None:
@@ -228,7 +227,8 @@ def gain_words(gain: dict | None) -> str:
 def closing_lines(result: dict, export_dir: Path) -> str:
     """What the run made: tau and speed-up per K, the K recorded, and against what it started from."""
     sweep = "; ".join(f"K={k}: tau {s['acceptance_length']:.2f}, {s['speedup']:.2f}x" for k, s in result["k_sweep"].items())
-    lines = [f"served at each K against target-only decoding, same prompts: {sweep}",
+    lines = [f"served at each K against target-only decoding, same prompts (the drafter's linear layers in "
+             f"{result['drafter_linears']}): {sweep}",
              f"fastest: K={result['config']['k']} ({result['speedup']:.2f}x, outputs identical to target-only: "
              f"{result['outputs_match_baseline']}), recorded in {export_dir / 'config.json'} (speculative_tokens)"]
     if result["plan"]:

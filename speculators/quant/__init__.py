@@ -44,9 +44,11 @@ to w8a8 target-only decoding (benchmarks.quant_report measures how often).
 The quantized modules expose `weight`, the dequantized fp32 matrix, for code that copies the target's embeddings or lm_head (drafters' from_target).
 """
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from common.config import UserError, one_of, require
@@ -80,7 +82,7 @@ __all__ = [  # the layers (speculators/quant/modules.py) and the precision break
     "QUANT_SCHEMES", "SCHEMES", "DynamicInt8Linear", "Fp4Linear", "Int4Scheme", "QuantConfig", "Scheme", "QuantizedEmbedding", "QuantizedLinear",
     "WeightOnlyFp8Linear", "WeightOnlyInt4Linear", "WeightOnlyInt8Linear", "check_gguf_source", "describe", "fp4",
     "gguf", "gptq", "layers_to_quantize", "precision_breakdown", "quantize", "round_activations",
-    "round_to_nearest_int4", "scheme", "stack_linears", "weight_bytes",
+    "linear_precision", "quantized_linears", "round_to_nearest_int4", "serving_quant", "scheme", "stack_linears", "weight_bytes",
 ]
 
 QUANT_SCHEMES = ("none", *SCHEMES)  # the built-in schemes; a scheme of your own is found by name
@@ -171,3 +173,43 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer, and of fbgemm's weight copies: what the weights occupy in memory."""
     tensors = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     return tensors + sum(m.fbgemm_bytes() for m in model.modules() if isinstance(m, DynamicInt8Linear))
+
+
+def quantized_linears(module: nn.Module, name: str) -> nn.Module:
+    """A copy of `module` (a drafter, for serving) whose plain linear layers are quantized with scheme `name`;
+    everything else, parameters included, is shared with `module`, which stays as it is. "none": `module`."""
+    if name == "none":
+        return module
+    handler = scheme(name, "drafter_quant")
+    if handler.from_file or handler.prepare is not Scheme.prepare:
+        raise UserError(f"drafter_quant={name}: a drafter is quantized from its own weights alone, which "
+                        f"{name} does not do (it reads a file or calibrates on text); use int8, int4 or fp8")
+    return _with_quantized_linears(module, handler(QuantConfig(name)), "")
+
+
+def _with_quantized_linears(module: nn.Module, handler: Scheme, prefix: str) -> nn.Module:
+    twin = copy.copy(module)  # its own containers below, the same tensors
+    twin._parameters, twin._buffers, twin._modules = dict(module._parameters), dict(module._buffers), {}
+    for child_name, child in module._modules.items():
+        name = prefix + child_name
+        if type(child) in PLAIN_LINEARS:
+            handler.check(name, child.weight.shape[1])
+            child = handler.convert(name, child.weight, child.bias, "kernel") or child
+        elif child is not None:
+            child = _with_quantized_linears(child, handler, name + ".")
+        twin._modules[child_name] = child
+    return twin
+
+
+def serving_quant(device) -> str:
+    """The scheme a drafter's linear layers are served with when none is chosen: int8 on a CPU, where a drafter
+    step reads its weights from memory at one or two rows (its time -26% on SmolLM2's EAGLE-3 at the same tau:
+    docs/results.md), none on a GPU."""
+    return "int8" if torch.device(device).type == "cpu" else "none"
+
+
+def linear_precision(module: nn.Module) -> str:
+    """The precisions of `module`'s linear layers, e.g. "int8" or "float32"."""
+    kinds = {getattr(m, "precision", None) or str(m.weight.dtype).removeprefix("torch.") for m in module.modules()
+             if isinstance(m, (nn.Linear, QuantizedLinear))}
+    return ", ".join(sorted(kinds)) or "none"

@@ -51,9 +51,9 @@ class Scheme:
         return self.convert(name, weight, None, cpu_matmul="dequantize")
 
 
-def scheme(name: str) -> type:
-    """The handler class of scheme `name`, importing its module when it is not registered yet."""
-    return look_up(SCHEMES, name, "speculators.quant", "quant.scheme", before=("none",))
+def scheme(name: str, key: str = "quant.scheme") -> type:
+    """The handler class of scheme `name` (the value of `key`), importing its module when it is not registered yet."""
+    return look_up(SCHEMES, name, "speculators.quant", key, before=("none",))
 
 
 import_built_in("speculators.quant", BUILT_IN)
