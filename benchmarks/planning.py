@@ -94,7 +94,8 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.out or HydraConfig.get().runtime.output_dir)
     drafters, target = report.load_drafters(cfg.drafters, cfg.target, cfg.quant)
     loaded = list(zip(cfg.drafters, drafters))
-    labels = [f"{Path(path).parent.name or path}" for path, _ in loaded]
+    # a run's export by its run's folder (runs/<name>/export), any other export by its own folder
+    labels = [Path(path).parent.name if Path(path).name == "export" else Path(path).name or path for path, _ in loaded]
     prompts = [p.ids for p in evalsets.prompts(cfg.eval, target, cfg.max_new_tokens)]
     held_out, timed = prompts[: cfg.calibration_prompts], prompts[cfg.calibration_prompts :]
     if not timed:

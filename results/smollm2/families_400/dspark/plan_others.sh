@@ -14,3 +14,5 @@ REPORT="serve_eval.ks=[2] serve_eval.plan=false"
 PLAN=(quant=gguf eval=mtbench eval.turns=1 eval.num_prompts=12 calibration_prompts=4 "ks=[1,2,4]" max_new_tokens=64 repeats=2)
 python -m benchmarks.planning "drafters=[$RUNS/eagle1/export,$RUNS/peagle/export]" "${PLAN[@]}" out=results/smollm2/families_400/dspark/planning_packed_others
 python -m benchmarks.planning "drafters=[$RUNS/medusa/export]" "${PLAN[@]}" out=results/smollm2/families_400/dspark/planning_packed_medusa
+# Medusa again after a69a38b and d55ead0: only the heads a draft uses are computed (head by head with the plan), in int8
+python -m benchmarks.planning "drafters=[$RUNS/medusa/export]" "${PLAN[@]}" out=results/smollm2/families_400/dspark/planning_packed_medusa_heads

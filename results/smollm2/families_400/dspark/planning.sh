@@ -11,3 +11,5 @@ DRAFTERS="drafters=[$RUNS/dspark/export,$RUNS/dflash8/export,$RUNS/eagle3/export
 TRAINED="drafters=[$RUNS/dspark/export,$RUNS/dflash8/export,$RUNS/eagle3/export]"
 python -m benchmarks.planning "$TRAINED" quant=none eval=mtbench eval.turns=1 eval.num_prompts=8 calibration_prompts=4 "ks=[1,2]" max_new_tokens=64 repeats=2 out=$OUT/planning_fp32
 python -m benchmarks.planning "$DRAFTERS" quant=gguf eval=mtbench eval.turns=1 eval.num_prompts=12 calibration_prompts=4 "ks=[1,2,4]" max_new_tokens=64 repeats=2 out=$OUT/planning_packed
+# The same on the packed target after d55ead0, where a CPU serves the drafters' linear layers in int8 (drafter_quant)
+python -m benchmarks.planning "$DRAFTERS" quant=gguf eval=mtbench eval.turns=1 eval.num_prompts=12 calibration_prompts=4 "ks=[1,2,4]" max_new_tokens=64 repeats=2 out=$OUT/planning_packed_int8
