@@ -9,8 +9,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from benchmarks.batch_sweep import BatchSweepConfig
-from benchmarks.drafter_quant import DrafterQuantConfig
 from benchmarks.bench import BenchConfig
+from benchmarks.drafter_quant import DrafterQuantConfig
 from benchmarks.llamacpp_bench import LlamacppBenchConfig
 from common.config import (
     UserError,
