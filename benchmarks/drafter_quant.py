@@ -44,8 +44,8 @@ def measure(target, drafter, prompts: list[evalsets.Prompt], cfg: DrafterQuantCo
     def median(scheme: str, figure) -> float:
         return statistics.median(figure(run[scheme]) for run in runs)
 
-    rows = [{"scheme": scheme, "drafter_linears": runs[0][scheme]["drafter_linears"], "k": runs[0][scheme]["config"]["k"],
-             "acceptance_length": median(scheme, lambda r: r["acceptance_length"]),
+    rows = [{"scheme": scheme, "drafter_linears": runs[0][scheme]["drafter_linears"],
+             "k": runs[0][scheme]["config"]["k"], "acceptance_length": median(scheme, lambda r: r["acceptance_length"]),
              "speedup": median(scheme, lambda r: r["speedup"]),
              "tokens_per_second": median(scheme, lambda r: r["tokens_per_second"]),
              "baseline_tokens_per_second": median(scheme, lambda r: r["baseline_tokens_per_second"]),
@@ -60,7 +60,8 @@ def measure(target, drafter, prompts: list[evalsets.Prompt], cfg: DrafterQuantCo
 def markdown(result: dict) -> str:
     lines = [f"{result['num_prompts']} prompts, {result['config']['max_new_tokens']} new tokens, greedy; medians of "
              f"{result['config']['repeats']} interleaved repeats; {result['machine']['torch_threads']} thread(s).", "",
-             "| drafter's linears | K | tau | speed-up | tokens/s | target-only | drafter s | verify s | outputs identical |",
+             "| drafter's linears | K | tau | speed-up | tokens/s | target-only | drafter s | verify s "
+             "| outputs identical |",
              "|---|--:|--:|--:|--:|--:|--:|--:|---|"]
     lines += [f"| {r['drafter_linears']} | {r['k']} | {r['acceptance_length']:.3f} | {r['speedup']:.3f}x | "
               f"{r['tokens_per_second']:.1f} | {r['baseline_tokens_per_second']:.1f} | {r['draft_s']:.2f} | "

@@ -4,8 +4,8 @@ same prompts, interleaved with target-only decoding (benchmarks.compare's rows a
     python -m benchmarks.planning drafters=[runs/a/export,...] [quant=gguf] [eval=mtbench] [ks=[1,2,4]] [out=DIR]
 
 First a calibration pass per drafter on the first `calibration_prompts` prompts (left out of the timing): every
-draft up to K verified and its acceptance estimate recorded, from which one temperature per position is fitted
-(inference/calibration.py). The plan rows then serve with those temperatures and the step costs measured on this
+draft up to K verified and its acceptance estimate recorded, from which a temperature and a bias per position are
+fitted (inference/calibration.py). The plan rows then serve with them and the step costs measured on this
 machine (inference/planning.py). Reported per drafter: the estimates' reliability (ECE, AUROC, Brier) on the timed
 prompts before and after the scaling, and the cost table; sts.json and sps.json (TensorRT-LLM's layouts) are
 written per drafter under <out>/<drafter>/ and, with beside_export=true, into the export folder itself.
@@ -62,24 +62,25 @@ def rows_of(drafters, cfg: PlanningConfig) -> list[compare.Method]:
 
 def markdown(table: list[dict], drafters: dict) -> str:
     lines = [compare.markdown(table), "", "| drafter | ECE before | ECE after | AUROC | Brier before | Brier after "
-             "| temperatures |", "|---|---|---|---|---|---|---|"]
+             "| temperatures | biases |", "|---|---|---|---|---|---|---|---|"]
     for label, info in drafters.items():
         before, after = info["reliability"]["before"]["all"], info["reliability"]["after"]["all"]
         if not after.get("drafts"):
             continue
         temperatures = " ".join(f"{t:.2f}" for t in info["reliability"]["temperatures"] or []) or "-"
+        biases = " ".join(f"{b:.2f}" for b in info["reliability"]["biases"] or []) or "-"
         auroc = "-" if after["auroc"] is None else f"{after['auroc']:.3f}"
         lines.append(f"| {label} | {before['ece']:.3f} | {after['ece']:.3f} | {auroc} | {before['brier']:.3f} "
-                     f"| {after['brier']:.3f} | {temperatures} |")
+                     f"| {after['brier']:.3f} | {temperatures} | {biases} |")
     return "\n".join(lines)
 
 
-def write_tables(label: str, path: str, temperatures, target, planner, cfg: PlanningConfig, out: Path) -> None:
+def write_tables(label: str, path: str, fitted, target, planner, cfg: PlanningConfig, out: Path) -> None:
     folders = [out / label] + ([Path(path)] if cfg.beside_export else [])
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
-        if temperatures:
-            calibration.write_sts(temperatures, folder / "sts.json", target)
+        if fitted:
+            calibration.write_sts(fitted, folder / "sts.json", target)
         planner.costs.write_sps(folder / "sps.json", planner.drafter_ms())
 
 
@@ -103,20 +104,20 @@ def main(cfg: DictConfig) -> None:
                         f"{cfg.calibration_prompts}: ask for more (eval.num_prompts) or fewer")
     rows = rows_of([(label, drafter, export.training_record(path)) for label, (path, drafter) in zip(labels, loaded)],
                    cfg)
-    temperatures = {}
+    fitted = {}
     for label, (_, drafter) in zip(labels, loaded):
         k = max(row.k for row in rows if row.drafter is drafter)
-        temperatures[label] = calibration.fit_served(target, drafter, k, held_out, cfg.max_new_tokens)
+        fitted[label] = calibration.fit_served(target, drafter, k, held_out, cfg.max_new_tokens)
     compare.run(target, rows, timed, cfg)
     table = compare.summary(rows)
     drafters = {}
     for label, (path, drafter) in zip(labels, loaded):
         plan_row = next(row for row in rows if row.drafter is drafter and row.drafting.plan)
         planner = make_planner(target, drafter, plan_row.k, plan_row.drafting)
-        write_tables(label, path, temperatures[label], target, planner, cfg, out)
+        write_tables(label, path, fitted[label], target, planner, cfg, out)
         fixed = [r for r in table if r["method"].startswith(f"{label} K=")]
         drafters[label] = {"export": path,
-                           "reliability": calibration.before_and_after(plan_row.stats.estimates, temperatures[label]),
+                           "reliability": calibration.before_and_after(plan_row.stats.estimates, fitted[label]),
                            "step_costs_ms": planner.costs.verify_ms, "drafter_ms": planner.drafter_ms(),
                            "per_pass": planner.per_pass,
                            "best_fixed_k": max(fixed, key=lambda r: r["tokens_per_second"])["method"]}

@@ -1,18 +1,25 @@
-"""How far a drafter's acceptance estimates can be trusted, and per-position temperature scaling that fixes them.
+"""How far a drafter's acceptance estimates can be trusted, and per-position scaling that fixes them.
 
 The planner (inference/planning.py) multiplies estimates along a draft, so a bias per position compounds over
 the block. From served drafts (engine.Stats.estimates: position, estimate, accepted) this module measures
-reliability per position and over all (ECE over 10 equal-width bins, AUROC, Brier score) and fits one
-temperature per position, c = sigmoid(logit / T), by minimizing the log loss on those drafts (a position with
-too few accepted or rejected drafts takes the temperature fitted on all of them): TensorRT-LLM's and SGLang's
-STS (sts.json, {"sts_temperatures": [T_1, ..., T_K]}), which the planner reads back.
+reliability per position and over all (ECE over 10 equal-width bins, AUROC, Brier score) and fits, per position j,
+c = sigmoid(z / T_j + b_j) for an estimate of logit z, by minimizing the log loss on those drafts:
+- T_j, the temperature: TensorRT-LLM's and SGLang's STS (sts.json, {"sts_temperatures": [T_1, ..., T_K]}). A
+  position with too few accepted or rejected drafts takes the temperature fitted on all of them (a grid end would
+  scale it to 0 or 1).
+- b_j, a bias fitted after T_j (sts.json's "sts_biases", ours; engines that read only the temperatures skip it):
+  a temperature pivots at 1/2, so estimates too high on both sides of 1/2 (Medusa's heads, EAGLE's later
+  positions) cannot all be lowered by one. A weak prior (one pseudo-draft's curvature at b = 0) keeps a position
+  never accepted in the calibration prompts at a low estimate, not 0; a position never served takes the bias of
+  the one before it.
 """
 
 import json
-import math
 from pathlib import Path
 
 import torch
+
+from inference.planning import Calibration, logit, make_planner
 
 GRID = torch.logspace(-1.5, 1.5, 121).tolist()  # temperatures tried, 0.03 to 32
 MIN_EACH = 20  # accepted and rejected drafts a position needs to be fitted on its own
@@ -49,16 +56,6 @@ def by_position(pairs: list[tuple[int, float, bool]]) -> dict[int, tuple[list[fl
     return dict(sorted(positions.items()))
 
 
-def logit(p: float) -> float:
-    p = min(max(p, 1e-6), 1 - 1e-6)
-    return math.log(p / (1 - p))
-
-
-def scaled(estimate: float, temperature: float) -> float:
-    """An estimate after temperature scaling of its logit."""
-    return 1 / (1 + math.exp(-max(min(logit(estimate) / temperature, 50.0), -50.0)))
-
-
 def fit_temperature(estimates: list[float], outcomes: list[bool]) -> float:
     """The temperature of the grid with the lowest log loss on these drafts (1 where there are none)."""
     if not estimates:
@@ -68,16 +65,37 @@ def fit_temperature(estimates: list[float], outcomes: list[bool]) -> float:
     return GRID[min(range(len(GRID)), key=losses.__getitem__)]
 
 
-def fit(pairs: list[tuple[int, float, bool]], depth: int) -> list[float]:
-    """Per-position temperatures 1..depth. A position needs MIN_EACH accepted and MIN_EACH rejected drafts for a
-    temperature of its own: with fewer, the log loss is least at a grid end (a position never accepted in the
-    calibration prompts would be scaled to 0 and never verified again), so it takes the one temperature fitted
-    on every draft, or 1 where even those are too few."""
+def fit_bias(estimates: list[float], outcomes: list[bool], temperature: float) -> float:
+    """The b minimizing the log loss of sigmoid(z / T + b) on these drafts plus b^2 / 2 (the prior): Newton steps
+    on a convex function of one variable."""
+    z = torch.tensor([logit(e) for e in estimates], dtype=torch.float64) / temperature
+    y, b = torch.tensor(outcomes).double(), 0.0
+    for _ in range(50):
+        p = torch.sigmoid(z + b)
+        step = (float((p - y).sum()) + b) / (float((p * (1 - p)).sum()) + 1.0)
+        b -= max(min(step, 5.0), -5.0)
+        if abs(step) < 1e-9:
+            break
+    return b
+
+
+def fit(pairs: list[tuple[int, float, bool]], depth: int) -> Calibration:
+    """Per-position temperatures and biases 1..depth (module doc). A position needs MIN_EACH accepted and MIN_EACH
+    rejected drafts for a temperature of its own: with fewer, the log loss is least at a grid end (a position
+    never accepted in the calibration prompts would be scaled to 0 and never verified again), so it takes the
+    one temperature fitted on every draft, or 1 where even those are too few; its bias is fitted on its own
+    drafts, under the prior."""
     positions = by_position(pairs)
     everything = ([e for _, e, _ in pairs], [ok for _, _, ok in pairs])
     shared = fit_temperature(*everything) if enough(everything[1]) else 1.0
-    return [fit_temperature(*positions[position]) if position in positions and enough(positions[position][1])
-            else shared for position in range(1, depth + 1)]
+    temperatures = [fit_temperature(*positions[position]) if position in positions and enough(positions[position][1])
+                    else shared for position in range(1, depth + 1)]
+    biases, bias = [], 0.0
+    for position, temperature in enumerate(temperatures, 1):
+        if position in positions:
+            bias = fit_bias(*positions[position], temperature)
+        biases.append(bias)
+    return Calibration(temperatures, biases)
 
 
 def enough(outcomes: list[bool]) -> bool:
@@ -85,8 +103,8 @@ def enough(outcomes: list[bool]) -> bool:
     return min(accepted, len(outcomes) - accepted) >= MIN_EACH
 
 
-def apply(pairs: list[tuple[int, float, bool]], temperatures: list[float]) -> list[tuple[int, float, bool]]:
-    return [(pos, scaled(e, temperatures[min(pos, len(temperatures)) - 1]), ok) for pos, e, ok in pairs]
+def apply(pairs: list[tuple[int, float, bool]], calibration: Calibration) -> list[tuple[int, float, bool]]:
+    return [(pos, calibration.estimate(pos, logit(e)), ok) for pos, e, ok in pairs]
 
 
 def summary(pairs: list[tuple[int, float, bool]]) -> dict:
@@ -96,34 +114,36 @@ def summary(pairs: list[tuple[int, float, bool]]) -> dict:
             "per_position": {str(pos): reliability(*positions[pos]) for pos in positions}}
 
 
-def write_sts(temperatures: list[float], path: Path, target) -> None:
-    """TensorRT-LLM's confidence_sts_path layout, and the target it was fitted for (planning.read_temperatures)."""
-    path.write_text(json.dumps({"sts_temperatures": [round(t, 5) for t in temperatures],
+def write_sts(calibration: Calibration, path: Path, target) -> None:
+    """TensorRT-LLM's confidence_sts_path layout, our biases beside it, and the target it was fitted for
+    (planning.read_calibration)."""
+    path.write_text(json.dumps({"sts_temperatures": [round(t, 5) for t in calibration.temperatures],
+                                "sts_biases": [round(b, 5) for b in calibration.biases],
                                 "target": target.name_or_path, "target_fingerprint": target.fingerprint()},
                                indent=1) + "\n")
 
 
-def fit_served(target, drafter, k: int, prompts: list[list[int]], max_new_tokens: int) -> list[float] | None:
-    """Per-position temperatures of `drafter`'s estimates from serving `prompts` with every draft up to K verified
-    (a plan that does not trim); the planner serving it next (drafting.plan) scales by them. None without prompts."""
+def fit_served(target, drafter, k: int, prompts: list[list[int]], max_new_tokens: int) -> Calibration | None:
+    """The calibration of `drafter`'s estimates from serving `prompts` with every draft up to K verified (a plan
+    that does not trim); the planner serving it next (drafting.plan) applies it. None without prompts."""
     from inference.drafting import DraftingConfig
     from inference.engine import Stats, generate
-    from inference.planning import make_planner
 
     if not prompts:
         return None
     drafting = DraftingConfig(plan=True)
     planner = make_planner(target, drafter, k, drafting)
-    planner.trims, planner.temperatures = False, None
+    planner.trims, planner.calibration = False, None
     stats = Stats(k)
     for ids in prompts:
         stats.add(generate(target, drafter, ids, max_new_tokens, k, drafting=drafting).stats)
-    planner.trims, planner.temperatures = True, fit(stats.estimates, k)
-    return planner.temperatures
+    planner.trims, planner.calibration = True, fit(stats.estimates, k)
+    return planner.calibration
 
 
-def before_and_after(pairs: list[tuple[int, float, bool]], temperatures: list[float] | None) -> dict:
-    """Reliability of estimates served after scaling by `temperatures` (`pairs`), and of the same drafts' raw
-    estimates before it."""
-    before = apply(pairs, [1 / t for t in temperatures]) if temperatures else pairs
-    return {"before": summary(before), "after": summary(pairs), "temperatures": temperatures}
+def before_and_after(pairs: list[tuple[int, float, bool]], calibration: Calibration | None) -> dict:
+    """Reliability of estimates served after `calibration` (`pairs`), and of the same drafts' raw estimates."""
+    before = [(pos, calibration.raw(pos, e), ok) for pos, e, ok in pairs] if calibration else pairs
+    return {"before": summary(before), "after": summary(pairs),
+            "temperatures": calibration.temperatures if calibration else None,
+            "biases": calibration.biases if calibration else None}

@@ -3,16 +3,17 @@
 A cycle that verifies n drafts costs the drafter's time for them plus one target pass over n + 1 tokens (the
 root and the drafts), and yields 1 + sum_{j<=n} s_j tokens on average, where s_j = c_1 ... c_j is the chance
 that drafts 1..j all survive and c_j the acceptance estimate of draft j given the ones before it (DSpark's
-confidence head; a drafter's top probability otherwise), both after calibration (per-position temperatures,
-TensorRT-LLM's sts.json). The planner picks n with the highest expected tokens per second:
+confidence head; a drafter's top probability otherwise), both after calibration (`Calibration`: per-position
+temperatures, TensorRT-LLM's sts.json, and biases; fitted by inference/calibration.py). The planner picks n with
+the highest expected tokens per second:
 
 - `best_length(c)`: all estimates known before any draft is kept (one-pass drafters, and greedy DSpark): the
   global argmax over n, as TensorRT-LLM's planner takes it (the cost is a staircase, so the first drop is not
   the maximum).
 - `keep_going(c_1..c_j)`: drafts decided one at a time from estimates that depend only on the drafts before
   them (EAGLE chains, Medusa's heads, sampled DSpark): continue while some n >= j, with the later estimates
-  forecast as c_j, beats stopping at j - 1. A stopping rule of that kind never looks at the draft it decides on, so sampled
-  verification stays lossless; greedy verification is exact whatever is verified.
+  forecast as c_j, beats stopping at j - 1. A stopping rule of that kind never looks at the draft it decides on,
+  so sampled verification stays lossless; greedy verification is exact whatever is verified.
 
 Verification itself is unchanged: the planner only decides how much is verified, never what is accepted.
 
@@ -125,6 +126,33 @@ def measure_target(session_factory, target_key: str, tokens: int, context: int, 
     return StepCosts([1000 * statistics.median(t[1:]) for t in times.values()], context, target_key, machine())
 
 
+def sigmoid(z: float) -> float:
+    return 1 / (1 + math.exp(-max(min(z, 50.0), -50.0)))
+
+
+@dataclass
+class Calibration:
+    """Per-position temperatures and biases of acceptance estimates, c = sigmoid(z / T_j + b_j) for an estimate
+    of logit z at draft position j (fitted by inference/calibration.py); positions past the lists take the last."""
+
+    temperatures: list[float]
+    biases: list[float]
+
+    def at(self, position: int) -> tuple[float, float]:
+        i = min(position, len(self.temperatures)) - 1
+        return self.temperatures[i], self.biases[i]
+
+    def estimate(self, position: int, z: float) -> float:
+        """The calibrated chance that draft `position` (1-based) is accepted, from its raw logit z."""
+        t, b = self.at(position)
+        return sigmoid(z / t + b)
+
+    def raw(self, position: int, estimate: float) -> float:
+        """The raw estimate a calibrated one came from."""
+        t, b = self.at(position)
+        return sigmoid((logit(estimate) - b) * t)
+
+
 @dataclass
 class Planner:
     """Chooses how many drafts a cycle verifies (module doc). `per_pass`: the drafter's cost is one pass
@@ -132,14 +160,13 @@ class Planner:
 
     costs: StepCosts
     per_pass: bool
-    temperatures: list[float] | None = None  # per draft position, applied to the estimate's logit
+    calibration: Calibration | None = None  # per draft position, applied to the estimate's logit
     draft_ms: list[float] = field(default_factory=list)  # the last 16 drafter times, per pass or per draft
     trims: bool = True  # False: estimates are recorded, every draft up to K is verified (calibration passes)
 
     def calibrated(self, position: int, logit: float) -> float:
         """The acceptance estimate of draft `position` (1-based) from its raw logit."""
-        t = self.temperatures[min(position, len(self.temperatures)) - 1] if self.temperatures else 1.0
-        return 1 / (1 + math.exp(-max(min(logit / t, 50.0), -50.0)))
+        return self.calibration.estimate(position, logit) if self.calibration else sigmoid(logit)
 
     def drafter_ms(self) -> float:
         return statistics.median(self.draft_ms) if self.draft_ms else 0.0
@@ -197,22 +224,25 @@ def logit(p: float) -> float:
     return math.log(p / (1 - p))
 
 
-def read_temperatures(path: Path, fingerprint: str) -> list[float]:
-    """Per-position temperatures from an sts.json (TensorRT-LLM's and SGLang's keys) fitted for the target with
-    this weights fingerprint (a file that names another target is refused)."""
+def read_calibration(path: Path, fingerprint: str) -> Calibration:
+    """Per-position temperatures (TensorRT-LLM's and SGLang's keys) and biases (ours; 0 where absent) from an
+    sts.json fitted for the target with this weights fingerprint (a file that names another target is refused)."""
     try:
         data = json.loads(Path(path).read_text())
         temperatures = [float(t) for t in data.get("sts_temperatures", data.get("temperatures"))]
+        biases = [float(b) for b in data.get("sts_biases", [0.0] * len(temperatures))]
     except (OSError, ValueError, TypeError, AttributeError) as e:
         raise UserError(f"{path}: not a calibration file ({type(e).__name__}); expected "
                         f'{{"sts_temperatures": [T_1, ..., T_K]}}') from None
     if not temperatures or min(temperatures) <= 0:
         raise UserError(f"{path}: sts_temperatures must be a non-empty list of positive numbers")
+    if len(biases) != len(temperatures) or not all(math.isfinite(b) for b in biases):
+        raise UserError(f"{path}: sts_biases must be {len(temperatures)} finite numbers, one per temperature")
     if data.get("target_fingerprint") not in (None, fingerprint):
         raise UserError(f"{path} was fitted for another target (weights fingerprint {data['target_fingerprint']}, "
                         f"this one's {fingerprint}): refit it with python -m benchmarks.planning, or pass "
                         f"drafting.calibration=<its own sts.json>")
-    return temperatures
+    return Calibration(temperatures, biases)
 
 
 def target_key(target) -> str:
@@ -235,8 +265,8 @@ def make_planner(target, drafter, k: int, drafting) -> Planner:
         costs = StepCosts.cached(lambda n: open_session(target, n), target_key(target), k + 1, context,
                                  drafting.cost_table, drafting.remeasure)
         file = drafting.calibration or drafter.calibration_file
-        temperatures = read_temperatures(Path(file), target.fingerprint()) if file else None
+        calibration = read_calibration(Path(file), target.fingerprint()) if file else None
         # Chains draft one step, and Medusa one head, per draft; the others one pass whatever is verified.
         planners[settings] = Planner(costs, per_pass=drafter.drafting_kind not in ("autoregressive", "heads"),
-                                     temperatures=temperatures)
+                                     calibration=calibration)
     return planners[settings]

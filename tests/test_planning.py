@@ -17,7 +17,16 @@ from common.config import UserError
 from inference import calibration
 from inference.drafting import DraftingConfig
 from inference.engine import generate
-from inference.planning import Planner, StepCosts, machine, make_planner, read_temperatures, target_key
+from inference.planning import (
+    Calibration,
+    Planner,
+    StepCosts,
+    logit,
+    machine,
+    make_planner,
+    read_calibration,
+    target_key,
+)
 from inference.sessions import open_session
 from speculators import export
 
@@ -25,7 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def planner(verify_ms, per_pass=True, draft_ms=0.0, temperatures=None) -> Planner:
-    p = Planner(StepCosts(list(verify_ms), 16, "t", machine()), per_pass, temperatures)
+    fitted = Calibration(temperatures, [0.0] * len(temperatures)) if temperatures else None
+    p = Planner(StepCosts(list(verify_ms), 16, "t", machine()), per_pass, fitted)
     if draft_ms:
         p.record_draft(draft_ms / 1000, 1)
     return p
@@ -76,18 +86,23 @@ def test_a_cost_table_from_another_machine_or_target_is_said_and_measured_again(
 
 def test_calibration_files_are_checked(llama_target, tmp_path):
     good = tmp_path / "sts.json"
-    calibration.write_sts([0.8, 1.2], good, llama_target)
-    assert read_temperatures(good, llama_target.fingerprint()) == [0.8, 1.2]
+    calibration.write_sts(Calibration([0.8, 1.2], [0.0, -0.5]), good, llama_target)
+    assert read_calibration(good, llama_target.fingerprint()) == Calibration([0.8, 1.2], [0.0, -0.5])
     assert json.loads(good.read_text())["sts_temperatures"] == [0.8, 1.2]  # TensorRT-LLM's key
+    (tmp_path / "theirs.json").write_text('{"sts_temperatures": [1.0, 1.1]}')  # another tool's: no biases
+    assert read_calibration(tmp_path / "theirs.json", "x").biases == [0.0, 0.0]
     with pytest.raises(UserError, match="was fitted for another target") as error:
-        read_temperatures(good, "0123456789abcdef")
+        read_calibration(good, "0123456789abcdef")
     assert "\n" not in str(error.value)
     (tmp_path / "bad.json").write_text('{"sts_temperatures": [1.0, -2]}')
     with pytest.raises(UserError, match="positive numbers"):
-        read_temperatures(tmp_path / "bad.json", "x")
+        read_calibration(tmp_path / "bad.json", "x")
+    (tmp_path / "short.json").write_text('{"sts_temperatures": [1.0, 2.0], "sts_biases": [0.5]}')
+    with pytest.raises(UserError, match="sts_biases must be 2 finite numbers"):
+        read_calibration(tmp_path / "short.json", "x")
     (tmp_path / "worse.json").write_text("{")
     with pytest.raises(UserError, match="not a calibration file"):
-        read_temperatures(tmp_path / "worse.json", "x")
+        read_calibration(tmp_path / "worse.json", "x")
 
 
 def test_temperature_scaling_fixes_an_overconfident_estimate():
@@ -98,9 +113,10 @@ def test_temperature_scaling_fixes_an_overconfident_estimate():
     for _ in range(4000):
         z = rng.gauss(0.5, 1.5)
         pairs.append((1, 1 / (1 + math.exp(-2 * z)), rng.random() < 1 / (1 + math.exp(-z))))
-    temperatures = calibration.fit(pairs, 2)
-    assert temperatures[0] == pytest.approx(2.0, rel=0.15) and temperatures[1] == temperatures[0]
-    before, after = calibration.summary(pairs)["all"], calibration.summary(calibration.apply(pairs, temperatures))["all"]
+    fitted = calibration.fit(pairs, 2)
+    assert fitted.temperatures[0] == pytest.approx(2.0, rel=0.15) and fitted.temperatures[1] == fitted.temperatures[0]
+    assert abs(fitted.biases[0]) < 0.1  # the estimates were too sharp, not too high on average
+    before, after = calibration.summary(pairs)["all"], calibration.summary(calibration.apply(pairs, fitted))["all"]
     assert after["ece"] < 0.5 * before["ece"] and after["brier"] < before["brier"]
     assert after["auroc"] == pytest.approx(before["auroc"]) and 0.6 < after["auroc"] < 1
 
@@ -113,10 +129,27 @@ def test_a_position_seen_too_little_takes_the_shared_temperature():
     first = [(1, 1 / (1 + math.exp(-2 * z)), rng.random() < 1 / (1 + math.exp(-z))) for z in
              (rng.gauss(0.0, 1.5) for _ in range(2000))]
     never = [(2, 0.2, False)] * 200
-    temperatures = calibration.fit(first + never, 3)
-    assert temperatures[0] == pytest.approx(calibration.fit(first, 1)[0], rel=0.2)
+    fitted = calibration.fit(first + never, 3)
+    temperatures = fitted.temperatures
+    assert temperatures[0] == pytest.approx(calibration.fit(first, 1).temperatures[0], rel=0.2)
     assert min(calibration.GRID) < temperatures[1] == temperatures[2] < max(calibration.GRID)
-    assert calibration.fit(never + [(1, 0.9, True)] * 5, 2) == [1.0, 1.0]
+    assert calibration.fit(never + [(1, 0.9, True)] * 5, 2).temperatures == [1.0, 1.0]
+    # Its bias brings position 2 (never accepted in 200) low, not to 0; position 3 takes position 2's.
+    assert 0.001 < fitted.estimate(2, logit(0.2)) < 0.02 and fitted.biases[2] == fitted.biases[1]
+
+
+def test_a_bias_lowers_estimates_too_high_on_both_sides_of_one_half():
+    """Drafts accepted with chance sigmoid(z - 1.5) whose estimate is sigmoid(z), z on both sides of 0: a
+    temperature pivots at 1/2 and cannot lower them all; the bias does, and the ECE falls by four fifths."""
+    rng = random.Random(2)
+    pairs = [(1, 1 / (1 + math.exp(-z)), rng.random() < 1 / (1 + math.exp(1.5 - z)))
+             for z in (rng.gauss(0.0, 2.0) for _ in range(4000))]
+    fitted = calibration.fit(pairs, 1)
+    assert fitted.biases[0] < -0.8  # fitted after the temperature (TensorRT-LLM's, kept as it fits alone)
+    temperature_only = Calibration(fitted.temperatures, [0.0])
+    before = calibration.summary(calibration.apply(pairs, temperature_only))["all"]["ece"]
+    after = calibration.summary(calibration.apply(pairs, fitted))["all"]["ece"]
+    assert after < 0.06 < 0.15 < before
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dspark", "medusa", "lookup"])

@@ -146,14 +146,14 @@ def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[eval
     extra = {"before": (before, compared_k)} if before else {}
     planned = plans(recipe, drafter)
     if planned:
-        temperatures = calibrate(recipe, target, drafter, max(ks), export_dir, test)
+        fitted = calibrate(recipe, target, drafter, max(ks), export_dir, test)
         extra["plan"] = (drafter, max(ks), DraftingConfig(plan=True))
     cfg = report.InferenceConfig(drafter=str(export_dir), quant=recipe.quant, eval=recipe.eval)
     results = report.measure_arms(target, arms | extra, prompts, cfg)
     best = max(arms, key=lambda k: results[k]["speedup"])
     export.set_best_k(export_dir, best)
     result = results[best] | {
-        "plan": plan_summary(results["plan"], temperatures, target, drafter, export_dir) if planned else None,
+        "plan": plan_summary(results["plan"], fitted, target, drafter, export_dir) if planned else None,
         "k_sweep": {str(k): summary(results[k]) for k in arms},
         "init_from": {"path": recipe.init_from, **summary(results["before"]), "this_run": summary(results[compared_k]),
                       "tau_gain": paired_gain(results[compared_k], results["before"])} if before else None,
@@ -171,26 +171,27 @@ def plans(recipe: DrafterRecipe, drafter) -> bool:
     return chosen if chosen is not None else hasattr(drafter, "confidence_head")
 
 
-def calibrate(recipe: DrafterRecipe, target, drafter, k: int, export_dir: Path, test) -> list[float] | None:
-    """Per-position temperatures of the drafter's estimates, fitted on held-out conversations of the training
-    data (not the report's prompts), written beside the export as sts.json (TensorRT-LLM's layout)."""
+def calibrate(recipe: DrafterRecipe, target, drafter, k: int, export_dir: Path, test):
+    """Per-position temperatures and biases of the drafter's estimates (inference/calibration.py), fitted on
+    held-out conversations of the training data (not the report's prompts), written beside the export as
+    sts.json (TensorRT-LLM's layout)."""
     held_out = replace(recipe, eval=replace(recipe.eval, name="data", turns=1,
                                             num_prompts=recipe.serve_eval.calibration_prompts))
     prompts = [p.ids for p in eval_prompts(held_out, target, test)]
     announce(f"calibrating the drafter's acceptance estimates on {len(prompts)} held-out conversations")
-    temperatures = calibration.fit_served(target, drafter, k, prompts, REPORT_NEW_TOKENS)
-    if temperatures:
-        calibration.write_sts(temperatures, export_dir / export.CALIBRATION_FILE, target)
-    return temperatures
+    fitted = calibration.fit_served(target, drafter, k, prompts, REPORT_NEW_TOKENS)
+    if fitted:
+        calibration.write_sts(fitted, export_dir / export.CALIBRATION_FILE, target)
+    return fitted
 
 
-def plan_summary(figures: dict, temperatures, target, drafter, export_dir: Path) -> dict:
+def plan_summary(figures: dict, fitted, target, drafter, export_dir: Path) -> dict:
     """The planned arm: its figures, the estimates' reliability before and after calibration, and the step costs
     it planned with (written beside the export as sps.json, TensorRT-LLM's layout)."""
     planner = make_planner(target, drafter, figures["config"]["k"], DraftingConfig(plan=True))
     planner.costs.write_sps(export_dir / "sps.json", planner.drafter_ms())
     return summary(figures) | {"drafts_per_verify": figures["num_draft_tokens"] / max(figures["num_drafts"], 1),
-                               "reliability": calibration.before_and_after(figures["estimate_pairs"], temperatures),
+                               "reliability": calibration.before_and_after(figures["estimate_pairs"], fitted),
                                "step_costs_ms": planner.costs.verify_ms}
 
 
