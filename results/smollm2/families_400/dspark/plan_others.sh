@@ -16,3 +16,5 @@ python -m benchmarks.planning "drafters=[$RUNS/eagle1/export,$RUNS/peagle/export
 python -m benchmarks.planning "drafters=[$RUNS/medusa/export]" "${PLAN[@]}" out=results/smollm2/families_400/dspark/planning_packed_medusa
 # Medusa again after a69a38b and d55ead0: only the heads a draft uses are computed (head by head with the plan), in int8
 python -m benchmarks.planning "drafters=[$RUNS/medusa/export]" "${PLAN[@]}" out=results/smollm2/families_400/dspark/planning_packed_medusa_heads
+# Again after 6c1f37f (a bias per position beside each temperature in the calibration)
+python -m benchmarks.planning "drafters=[$RUNS/medusa/export]" "${PLAN[@]}" out=results/smollm2/families_400/dspark/planning_packed_medusa_bias

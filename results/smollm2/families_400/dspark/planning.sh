@@ -13,3 +13,5 @@ python -m benchmarks.planning "$TRAINED" quant=none eval=mtbench eval.turns=1 ev
 python -m benchmarks.planning "$DRAFTERS" quant=gguf eval=mtbench eval.turns=1 eval.num_prompts=12 calibration_prompts=4 "ks=[1,2,4]" max_new_tokens=64 repeats=2 out=$OUT/planning_packed
 # The same on the packed target after d55ead0, where a CPU serves the drafters' linear layers in int8 (drafter_quant)
 python -m benchmarks.planning "$DRAFTERS" quant=gguf eval=mtbench eval.turns=1 eval.num_prompts=12 calibration_prompts=4 "ks=[1,2,4]" max_new_tokens=64 repeats=2 out=$OUT/planning_packed_int8
+# Again after 6c1f37f (a bias per position beside each temperature in the calibration)
+python -m benchmarks.planning "$DRAFTERS" quant=gguf eval=mtbench eval.turns=1 eval.num_prompts=12 calibration_prompts=4 "ks=[1,2,4]" max_new_tokens=64 repeats=2 out=$OUT/planning_packed_bias
