@@ -191,7 +191,8 @@ def generate(target: FrozenTarget, drafter, prompt: list[int], max_new_tokens: i
         stats.target_forwards += 1
         path, token = verify(draft, out.logits[0], temperature, generator, tolerance)
         stats.record(len(path), len(draft.tokens), looked_up=draft.looked_up)
-        stats.record_estimates(draft.estimates, len(path))
+        if not draft.looked_up:  # the drafter's estimates (calibration, reliability), not lookup's counts
+            stats.record_estimates(draft.estimates, len(path))
         rows = [0] + [node + 1 for node in path]  # the root and the accepted nodes
         session.keep(start, rows)  # forget the rejected drafts
         new = [draft.tokens[node] for node in path] + [token]

@@ -2,7 +2,7 @@
 
 import torch
 
-from inference.draft import Draft, planned, point_masses
+from inference.draft import Draft, point_masses
 from speculators.target import TargetOutput
 
 
@@ -64,11 +64,14 @@ class LookupProposer:
             if after is not None:
                 tokens = self.context[after : after + self.length]
                 draft = Draft.chain(tokens, point_masses(tokens, self.vocab_size) if temperature else None, True)
-                draft = planned(self.planner, draft, self.survival_rates(len(tokens)))
+                if self.planner:  # lookup's own rates, calibrated by counting; its drafts cost no drafter time
+                    estimates = self.survival_rates(len(tokens))
+                    kept = max(self.planner.best_length(estimates, looked_up=True), 1)
+                    draft = Draft.chain(draft.tokens, draft.probs, True, estimates).prefix(kept)
                 self.looked_up = draft.tokens
                 return draft
         return self.inner.propose(temperature, generator)
 
-    def survival_rates(self, n: int) -> torch.Tensor:
+    def survival_rates(self, n: int) -> list[float]:
         """Lookup's own estimate per position: how often a lookup draft there survived, Laplace-smoothed."""
-        return torch.tensor([(self.survived[i] + 1) / (self.reached[i] + 2) for i in range(n)])
+        return [(self.survived[i] + 1) / (self.reached[i] + 2) for i in range(n)]

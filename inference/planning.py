@@ -176,26 +176,27 @@ class Planner:
         if self.per_pass or drafts:
             self.draft_ms = self.draft_ms[-15:] + [1000 * seconds / (1 if self.per_pass else drafts)]
 
-    def cost(self, n: int, spent: int = 0) -> float:
+    def cost(self, n: int, spent: int = 0, looked_up: bool = False) -> float:
         """A cycle verifying n drafts, of which the drafter has already drafted `spent` (a chain's steps and
-        Medusa's heads are paid whether or not their drafts are verified)."""
-        draft = self.drafter_ms() * (1 if self.per_pass else max(n, spent))
+        Medusa's heads are paid whether or not their drafts are verified); an n-gram lookup's drafts cost the
+        drafter nothing."""
+        draft = 0.0 if looked_up else self.drafter_ms() * (1 if self.per_pass else max(n, spent))
         return draft + self.costs.verify(n + 1)
 
-    def rates(self, estimates: list[float], spent: int = 0) -> list[float]:
+    def rates(self, estimates: list[float], spent: int = 0, looked_up: bool = False) -> list[float]:
         """Expected tokens per millisecond of verifying n = 0..len(estimates) drafts."""
-        rates, survival, expected = [1 / self.cost(0, spent)], 1.0, 1.0
+        rates, survival, expected = [1 / self.cost(0, spent, looked_up)], 1.0, 1.0
         for n, c in enumerate(estimates, 1):
             survival *= c
             expected += survival
-            rates.append(expected / self.cost(n, spent))
+            rates.append(expected / self.cost(n, spent, looked_up))
         return rates
 
-    def best_length(self, estimates: list[float]) -> int:
+    def best_length(self, estimates: list[float], looked_up: bool = False) -> int:
         """The n in 0..len(estimates) with the highest expected tokens per millisecond (ties: the shorter)."""
         if not self.trims:
             return len(estimates)
-        rates = self.rates(estimates)
+        rates = self.rates(estimates, looked_up=looked_up)
         return max(range(len(rates)), key=lambda n: (rates[n], -n))
 
     def worth_drafting(self, estimates: list[float], limit: int) -> bool:
@@ -257,12 +258,14 @@ _PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # drafter 
 
 def make_planner(target, drafter, k: int, drafting) -> Planner:
     """The planner for serving `drafter` with `target` at K=k: one per pair and settings, so the drafter's
-    running cost carries over from prompt to prompt."""
-    settings = (id(target), k, drafting.cost_table, drafting.calibration)
+    running cost carries over from prompt to prompt. Its step costs reach the longest draft verified: K, or
+    an n-gram lookup's chain."""
+    widest = max(k, drafting.lookup_length(k))
+    settings = (id(target), widest, drafting.cost_table, drafting.calibration)
     planners = _PLANNERS.setdefault(drafter, {})
     if settings not in planners or drafting.remeasure:
-        context = min(256, target.config.max_position_embeddings - k - 2)
-        costs = StepCosts.cached(lambda n: open_session(target, n), target_key(target), k + 1, context,
+        context = min(256, target.config.max_position_embeddings - widest - 2)
+        costs = StepCosts.cached(lambda n: open_session(target, n), target_key(target), widest + 1, context,
                                  drafting.cost_table, drafting.remeasure)
         file = drafting.calibration or drafter.calibration_file
         calibration = read_calibration(Path(file), target.fingerprint()) if file else None

@@ -68,6 +68,9 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
     for curve, length in ((report["acceptance_rate_per_position"], k), (report["offline_accuracy_per_step"], 3)):
         assert len(curve) == length and all(0.0 <= a <= 1.0 for a in curve)
     assert report["outputs_match_baseline"] is True
+    lookup = report["lookup"]  # the shortest K behind n-gram lookup chains of up to serve_eval.lookup_tokens
+    assert lookup["k"] == 1 and lookup["outputs_match_baseline"] is True and lookup["num_drafts"] > 0
+    assert f"behind n-gram lookup (python -m inference drafter={export_dir} {lookup['command']})" in result.stdout
     assert (run_dir / "acceptance" / "acceptance.png").stat().st_size > 0
 
     # The checkpoint holds the drafter only, never the target's weights.

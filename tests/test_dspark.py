@@ -205,3 +205,5 @@ def test_train_dspark_end_to_end(llama_dir, tmp_path):
     assert json.loads((run_dir / "export" / "sts.json").read_text())["sts_temperatures"]
     assert json.loads((run_dir / "export" / "sps.json").read_text())["step_time_ms"]
     assert "planned (drafting.plan, up to K=3)" in result.stdout
+    assert report["lookup"]["command"].endswith("drafting.plan=true")  # lookup planned from its own counts too
+    assert report["lookup"]["outputs_match_baseline"] is True

@@ -11,6 +11,7 @@ from inference.draft import Draft
 from inference.drafting import DraftingConfig
 from inference.engine import generate, generate_batch
 from inference.lookup import LookupProposer
+from inference.planning import Calibration, Planner, StepCosts, machine
 from inference.report import InferenceConfig, table
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
 
@@ -53,6 +54,23 @@ def test_lookup_chain_length_is_its_own():
     lookup = LookupProposer(Recorder(), 1, 100, DraftingConfig(prompt_lookup_max=2, prompt_lookup_tokens=4))
     lookup.prefill([7, 8, 1, 2, 3, 4, 5, 7], 8, None)
     assert lookup.propose(0.0, None).tokens == [1, 2, 3, 4]
+
+
+def test_a_planned_lookup_chain_reads_its_own_counts_and_costs_no_drafter_time():
+    """The drafter's calibration (here: every draft hopeless) and its per-draft cost (50 ms, five target
+    steps) are the drafter's: a lookup chain that survived 9 times in 10 is verified whole."""
+    planner = Planner(StepCosts([10, 11, 12, 13, 14, 15], 16, "t", machine()), per_pass=False,
+                      calibration=Calibration([1.0], [-10.0]))
+    planner.record_draft(0.050, 1)
+    assert planner.best_length([0.9] * 5) == 0 and planner.best_length([0.9] * 5, looked_up=True) == 5
+    lookup = LookupProposer(Recorder(), 1, 100, DraftingConfig(prompt_lookup_max=2, prompt_lookup_tokens=5, plan=True))
+    lookup.planner = planner
+    lookup.prefill([7, 8, 1, 2, 3, 4, 5, 7], 8, None)
+    lookup.reached, lookup.survived = [10] * 5, [9] * 5
+    draft = lookup.propose(0.0, None)
+    assert draft.tokens == [1, 2, 3, 4, 5] and draft.estimates == pytest.approx([10 / 12] * 5)
+    lookup.survived = [1] * 5  # a chain that rarely survives past its first draft: one is verified
+    assert lookup.propose(0.0, None).tokens == [1]
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])

@@ -42,9 +42,11 @@ class ServeEvalConfig:
     plan: bool | None = None  # the closing report also serves drafting.plan, calibrated on the data's held-out
     # conversations (sts.json and sps.json beside the export); None: for drafters with a confidence head (DSpark)
     calibration_prompts: int = 4  # held-out conversations of the training data that fit the calibration
+    lookup_tokens: int = 5  # the closing report also serves the shortest K behind n-gram lookup chains of up to
+    # this many tokens (drafting.prompt_lookup_max=3, prompt_lookup_tokens); 0: not
 
     def __post_init__(self):
-        at_least(0, serve_eval__every_n_steps=self.every_n_steps)
+        at_least(0, serve_eval__every_n_steps=self.every_n_steps, serve_eval__lookup_tokens=self.lookup_tokens)
         at_least(1, serve_eval__num_prompts=self.num_prompts, serve_eval__max_new_tokens=self.max_new_tokens,
                  serve_eval__calibration_prompts=self.calibration_prompts)
         require(self.ks is None or (self.ks and min(self.ks) >= 1), "serve_eval.ks", self.ks,

@@ -148,12 +148,15 @@ def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[eval
     if planned:
         fitted = calibrate(recipe, target, drafter, max(ks), export_dir, test)
         extra["plan"] = (drafter, max(ks), DraftingConfig(plan=True))
+    if recipe.serve_eval.lookup_tokens:
+        extra["lookup"] = (drafter, min(ks), lookup_drafting(recipe.serve_eval.lookup_tokens, planned))
     cfg = report.InferenceConfig(drafter=str(export_dir), quant=recipe.quant, eval=recipe.eval)
     results = report.measure_arms(target, arms | extra, prompts, cfg)
     best = max(arms, key=lambda k: results[k]["speedup"])
     export.set_best_k(export_dir, best)
     result = results[best] | {
         "plan": plan_summary(results["plan"], fitted, target, drafter, export_dir) if planned else None,
+        "lookup": lookup_summary(results["lookup"]) if "lookup" in results else None,
         "k_sweep": {str(k): summary(results[k]) for k in arms},
         "init_from": {"path": recipe.init_from, **summary(results["before"]), "this_run": summary(results[compared_k]),
                       "tau_gain": paired_gain(results[compared_k], results["before"])} if before else None,
@@ -183,6 +186,20 @@ def calibrate(recipe: DrafterRecipe, target, drafter, k: int, export_dir: Path, 
     if fitted:
         calibration.write_sts(fitted, export_dir / export.CALIBRATION_FILE, target)
     return fitted
+
+
+def lookup_drafting(tokens: int, planned: bool) -> DraftingConfig:
+    """N-gram lookup in front of the drafter: a chain of up to `tokens` where the context's last 3 (or 2)
+    tokens occurred before (inference/lookup.py), planned like the drafter's own drafts when those are."""
+    return DraftingConfig(prompt_lookup_max=3, prompt_lookup_tokens=tokens, plan=planned)
+
+
+def lookup_summary(figures: dict) -> dict:
+    drafting = figures["config"]["drafting"]
+    return summary(figures) | {key: figures[key] for key in ("num_drafts", "lookup_drafts")} | {
+        "command": f"k={figures['config']['k']} drafting.prompt_lookup_max={drafting['prompt_lookup_max']} "
+                   f"drafting.prompt_lookup_tokens={drafting['prompt_lookup_tokens']}"
+                   + (" drafting.plan=true" if drafting["plan"] else "")}
 
 
 def plan_summary(figures: dict, fitted, target, drafter, export_dir: Path) -> dict:
@@ -240,6 +257,12 @@ def closing_lines(result: dict, export_dir: Path) -> str:
                      f"{plan['speedup']:.2f}x, {plan['drafts_per_verify']:.2f} drafts verified per step; "
                      f"estimates calibrated on held-out data ({ece}): {export_dir / 'sts.json'}, step costs: "
                      f"{export_dir / 'sps.json'}")
+    if result["lookup"]:
+        lookup = result["lookup"]
+        lines.append(f"behind n-gram lookup (python -m inference drafter={export_dir} {lookup['command']}): tau "
+                     f"{lookup['acceptance_length']:.2f}, {lookup['speedup']:.2f}x, lookup drafted "
+                     f"{lookup['lookup_drafts']} of {lookup['num_drafts']} chains (outputs identical to "
+                     f"target-only: {lookup['outputs_match_baseline']})")
     if result["init_from"]:
         before, after = result["init_from"], result["init_from"]["this_run"]
         lines.append(f"started from {before['path']}: tau {before['acceptance_length']:.3f} at K={before['k']} "
