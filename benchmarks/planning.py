@@ -1,7 +1,8 @@
 """Cost-aware verification against fixed K: every drafter at each fixed K and with drafting.plan, one target, the
 same prompts, interleaved with target-only decoding (benchmarks.compare's rows and loop).
 
-    python -m benchmarks.planning drafters=[runs/a/export,...] [quant=gguf] [eval=mtbench] [ks=[1,2,4]] [out=DIR]
+    python -m benchmarks.planning drafters=[runs/a/export,...] [quant=gguf] [eval=mtbench] [ks=[1,2,4]]
+        [lookup_tokens=5] [out=DIR]
 
 First a calibration pass per drafter on the first `calibration_prompts` prompts (left out of the timing): every
 draft up to K verified and its acceptance estimate recorded, from which a temperature and a bias per position are
@@ -22,7 +23,7 @@ from benchmarks import compare
 from benchmarks.tables import write_result
 from common.config import PROJECT_ROOT, UserError, at_least, exit_on_user_error, run_cli, to_dataclass
 from inference import calibration, evalsets
-from inference.drafting import DraftingConfig, serving_k
+from inference.drafting import DraftingConfig, lookup_drafting, serving_k
 from inference.evalsets import EvalConfig
 from speculators.quant import QuantConfig
 
@@ -38,12 +39,14 @@ class PlanningConfig:
     max_new_tokens: int = 64
     repeats: int = 3
     beside_export: bool = False  # also write sts.json and sps.json into each export folder
+    lookup_tokens: int = 0  # > 0: per drafter also its shortest K and its plan behind n-gram lookup chains of up
+    # to this many tokens (the plan reads lookup's own counts)
     out: str | None = None
 
     def __post_init__(self):
         if not self.drafters:
             raise UserError("drafters=[...]: give at least one export folder")
-        at_least(0, calibration_prompts=self.calibration_prompts)
+        at_least(0, calibration_prompts=self.calibration_prompts, lookup_tokens=self.lookup_tokens)
         at_least(1, max_new_tokens=self.max_new_tokens, repeats=self.repeats)
         for k in self.ks or []:
             at_least(1, ks=k)
@@ -57,6 +60,11 @@ def rows_of(drafters, cfg: PlanningConfig) -> list[compare.Method]:
         ks = sorted({k for k in (cfg.ks or range(1, own + 1)) if k <= drafter.depth}) or [own]
         rows += [compare.Method(f"{label} K={k}", drafter, DraftingConfig(), training, k) for k in ks]
         rows.append(compare.Method(f"{label} plan", drafter, DraftingConfig(plan=True), training, max(ks)))
+        if cfg.lookup_tokens:
+            rows += [compare.Method(f"{label} K={min(ks)} + lookup", drafter, lookup_drafting(cfg.lookup_tokens),
+                                    training, min(ks)),
+                     compare.Method(f"{label} plan + lookup", drafter, lookup_drafting(cfg.lookup_tokens, plan=True),
+                                    training, max(ks))]
     return rows
 
 
@@ -115,7 +123,7 @@ def main(cfg: DictConfig) -> None:
         plan_row = next(row for row in rows if row.drafter is drafter and row.drafting.plan)
         planner = make_planner(target, drafter, plan_row.k, plan_row.drafting)
         write_tables(label, path, fitted[label], target, planner, cfg, out)
-        fixed = [r for r in table if r["method"].startswith(f"{label} K=")]
+        fixed = [r for r in table if r["method"].startswith(f"{label} K=") and not r["method"].endswith("lookup")]
         drafters[label] = {"export": path,
                            "reliability": calibration.before_and_after(plan_row.stats.estimates, fitted[label]),
                            "step_costs_ms": planner.costs.verify_ms, "drafter_ms": planner.drafter_ms(),

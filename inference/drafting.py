@@ -76,6 +76,12 @@ class DraftingConfig:
         return (self.prompt_lookup_tokens or k) if self.prompt_lookup_max else 0
 
 
+def lookup_drafting(tokens: int, plan: bool = False) -> DraftingConfig:
+    """N-gram lookup in front of the drafter as the reports serve it: a chain of up to `tokens` where the
+    context's last 3 (or 2) tokens occurred before, planned from its own counts with `plan`."""
+    return DraftingConfig(prompt_lookup_max=3, prompt_lookup_tokens=tokens, plan=plan)
+
+
 class DrafterCacheProposer:
     """A trained drafter with a cache of its own over the verified positions; the prefill reads the
     prompt's target features, position t with token t+1 (the first emitted token last)."""

@@ -260,13 +260,17 @@ def make_planner(target, drafter, k: int, drafting) -> Planner:
     """The planner for serving `drafter` with `target` at K=k: one per pair and settings, so the drafter's
     running cost carries over from prompt to prompt. Its step costs reach the longest draft verified: K, or
     an n-gram lookup's chain."""
-    widest = max(k, drafting.lookup_length(k))
-    settings = (id(target), widest, drafting.cost_table, drafting.calibration)
+    settings = (id(target), k, drafting.cost_table, drafting.calibration)
     planners = _PLANNERS.setdefault(drafter, {})
-    if settings not in planners or drafting.remeasure:
+    widest = max(k, drafting.lookup_length(k))
+    planner = None if drafting.remeasure else planners.get(settings)
+    if planner is None or len(planner.costs.verify_ms) <= widest:
         context = min(256, target.config.max_position_embeddings - widest - 2)
         costs = StepCosts.cached(lambda n: open_session(target, n), target_key(target), widest + 1, context,
                                  drafting.cost_table, drafting.remeasure)
+        if planner is not None:  # the same drafter and K with lookup's longer chains: its calibration kept
+            planner.costs = costs
+            return planner
         file = drafting.calibration or drafter.calibration_file
         calibration = read_calibration(Path(file), target.fingerprint()) if file else None
         # Chains draft one step, and Medusa one head, per draft; the others one pass whatever is verified.

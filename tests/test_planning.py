@@ -9,13 +9,14 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from common.config import UserError
 from inference import calibration
-from inference.drafting import DraftingConfig
+from inference.drafting import DraftingConfig, lookup_drafting
 from inference.engine import generate
 from inference.planning import (
     Calibration,
@@ -170,6 +171,18 @@ def test_planned_greedy_outputs_are_the_targets_own(llama_target, make_drafter, 
     assert make_planner(llama_target, drafter, 3, drafting).draft_ms  # the drafter's cost, measured as it served
 
 
+def test_lookup_in_front_shares_the_drafters_planner_with_costs_for_its_longer_chains(llama_target, make_drafter,
+                                                                                     tmp_path):
+    drafter = make_drafter(llama_target)
+    table = str(tmp_path / "costs.json")
+    planner = make_planner(llama_target, drafter, 2, DraftingConfig(plan=True, cost_table=table))
+    planner.calibration = Calibration([2.0, 2.0], [0.0, 0.0])  # as a calibration pass leaves it
+    assert len(planner.costs.verify_ms) == 3
+    behind_lookup = make_planner(llama_target, drafter, 2, replace(lookup_drafting(5, plan=True), cost_table=table))
+    assert behind_lookup is planner and planner.calibration.temperatures == [2.0, 2.0]
+    assert len(planner.costs.verify_ms) == 6  # root + a lookup chain of 5, measured rather than extrapolated
+
+
 def test_plans_are_refused_where_they_do_not_apply(llama_target, make_drafter, text_batch):
     with pytest.raises(UserError, match="drafting.plan"):
         DraftingConfig(plan=True, mode="tree")
@@ -185,14 +198,16 @@ def test_the_planning_benchmark_writes_its_tables(llama_target, make_drafter, tm
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECULATORS_CACHE": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, "-m", "benchmarks.planning", f"drafters=[{path}]", "eval.num_prompts=3",
                              "calibration_prompts=1", "max_new_tokens=12", "repeats=1", "ks=[1,3]",
-                             "beside_export=true", f"out={out}"], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=600)
+                             "beside_export=true", "lookup_tokens=5", f"out={out}"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads((out / "planning.json").read_text())
-    assert [r["method"] for r in figures["rows"]] == ["target_only", "a K=1", "a K=3", "a plan"]
+    assert [r["method"] for r in figures["rows"]] == ["target_only", "a K=1", "a K=3", "a plan", "a K=1 + lookup",
+                                                      "a plan + lookup"]
     assert all(r["outputs_match_target_only"] for r in figures["rows"])
     drafter = figures["drafters"]["a"]
-    assert drafter["reliability"]["after"]["all"]["drafts"] > 0 and len(drafter["step_costs_ms"]) >= 4
+    assert drafter["best_fixed_k"] in ("a K=1", "a K=3")
+    assert drafter["reliability"]["after"]["all"]["drafts"] > 0 and len(drafter["step_costs_ms"]) >= 6  # lookup's 5
     assert json.loads((path / "sts.json").read_text())["sts_temperatures"]
     assert json.loads((path / "sps.json").read_text())["token_counts"][0] == 1
     assert export.load(path)[0].calibration_file == path / "sts.json"  # served with it from now on

@@ -42,8 +42,8 @@ class ServeEvalConfig:
     plan: bool | None = None  # the closing report also serves drafting.plan, calibrated on the data's held-out
     # conversations (sts.json and sps.json beside the export); None: for drafters with a confidence head (DSpark)
     calibration_prompts: int = 4  # held-out conversations of the training data that fit the calibration
-    lookup_tokens: int = 5  # the closing report also serves the shortest K behind n-gram lookup chains of up to
-    # this many tokens (drafting.prompt_lookup_max=3, prompt_lookup_tokens); 0: not
+    lookup_tokens: int = 5  # the closing report also serves the drafter behind n-gram lookup chains of up to this
+    # many tokens (drafting.prompt_lookup_max=3, prompt_lookup_tokens): at the shortest K, or planned; 0: not
 
     def __post_init__(self):
         at_least(0, serve_eval__every_n_steps=self.every_n_steps, serve_eval__lookup_tokens=self.lookup_tokens)

@@ -7,7 +7,7 @@ from pathlib import Path
 from common.config import UserError, require, to_dataclass
 from common.progress import announce
 from inference import calibration, evalsets, report
-from inference.drafting import DraftingConfig
+from inference.drafting import DraftingConfig, lookup_drafting
 from inference.planning import make_planner
 from speculators import draft_vocab, export
 from speculators.families import family
@@ -149,7 +149,9 @@ def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[eval
         fitted = calibrate(recipe, target, drafter, max(ks), export_dir, test)
         extra["plan"] = (drafter, max(ks), DraftingConfig(plan=True))
     if recipe.serve_eval.lookup_tokens:
-        extra["lookup"] = (drafter, min(ks), lookup_drafting(recipe.serve_eval.lookup_tokens, planned))
+        # the plan's K and calibration when planned, else the shortest K (chains longer than one draft seldom pay)
+        extra["lookup"] = (drafter, max(ks) if planned else min(ks), lookup_drafting(recipe.serve_eval.lookup_tokens,
+                                                                                   planned))
     cfg = report.InferenceConfig(drafter=str(export_dir), quant=recipe.quant, eval=recipe.eval)
     results = report.measure_arms(target, arms | extra, prompts, cfg)
     best = max(arms, key=lambda k: results[k]["speedup"])
@@ -186,12 +188,6 @@ def calibrate(recipe: DrafterRecipe, target, drafter, k: int, export_dir: Path, 
     if fitted:
         calibration.write_sts(fitted, export_dir / export.CALIBRATION_FILE, target)
     return fitted
-
-
-def lookup_drafting(tokens: int, planned: bool) -> DraftingConfig:
-    """N-gram lookup in front of the drafter: a chain of up to `tokens` where the context's last 3 (or 2)
-    tokens occurred before (inference/lookup.py), planned like the drafter's own drafts when those are."""
-    return DraftingConfig(prompt_lookup_max=3, prompt_lookup_tokens=tokens, plan=planned)
 
 
 def lookup_summary(figures: dict) -> dict:
