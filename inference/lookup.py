@@ -73,5 +73,12 @@ class LookupProposer:
         return self.inner.propose(temperature, generator)
 
     def survival_rates(self, n: int) -> list[float]:
-        """Lookup's own estimate per position: how often a lookup draft there survived, Laplace-smoothed."""
-        return [(self.survived[i] + 1) / (self.reached[i] + 2) for i in range(n)]
+        """Lookup's own estimate per position: how often a lookup draft there survived with its parent accepted,
+        smoothed by two pseudo-drafts at the estimate of the position before (1/2 for the first). A chain that
+        quotes earlier text tends to go on, so a position a plan has not verified yet starts where the one before
+        it stands, not at 1/2, which would keep the plan from ever verifying (and so counting) it."""
+        rates, prior = [], 0.5
+        for i in range(n):
+            prior = (self.survived[i] + 2 * prior) / (self.reached[i] + 2)
+            rates.append(prior)
+        return rates

@@ -68,9 +68,12 @@ def test_a_planned_lookup_chain_reads_its_own_counts_and_costs_no_drafter_time()
     lookup.prefill([7, 8, 1, 2, 3, 4, 5, 7], 8, None)
     lookup.reached, lookup.survived = [10] * 5, [9] * 5
     draft = lookup.propose(0.0, None)
-    assert draft.tokens == [1, 2, 3, 4, 5] and draft.estimates == pytest.approx([10 / 12] * 5)
+    assert draft.tokens == [1, 2, 3, 4, 5] and draft.estimates[0] == pytest.approx(10 / 12)
     lookup.survived = [1] * 5  # a chain that rarely survives past its first draft: one is verified
     assert lookup.propose(0.0, None).tokens == [1]
+    lookup.reached, lookup.survived = [40, 36, 32, 0, 0], [36, 32, 29, 0, 0]  # never verified past 3: 4 and 5
+    assert lookup.survival_rates(5)[3] == lookup.survival_rates(5)[2] > 0.85  # start where position 3 stands
+    assert lookup.propose(0.0, None).tokens == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])

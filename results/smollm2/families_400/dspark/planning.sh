@@ -15,3 +15,5 @@ python -m benchmarks.planning "$DRAFTERS" quant=gguf eval=mtbench eval.turns=1 e
 python -m benchmarks.planning "$DRAFTERS" quant=gguf eval=mtbench eval.turns=1 eval.num_prompts=12 calibration_prompts=4 "ks=[1,2,4]" max_new_tokens=64 repeats=2 out=$OUT/planning_packed_int8
 # Again after 6c1f37f (a bias per position beside each temperature in the calibration)
 python -m benchmarks.planning "$DRAFTERS" quant=gguf eval=mtbench eval.turns=1 eval.num_prompts=12 calibration_prompts=4 "ks=[1,2,4]" max_new_tokens=64 repeats=2 out=$OUT/planning_packed_bias
+# Behind n-gram lookup (57176c0: lookup planned from its own counts), both MT-bench turns (turn 2 repeats turn 1)
+python -m benchmarks.planning "$DRAFTERS" quant=gguf eval=mtbench eval.turns=2 eval.num_prompts=8 calibration_prompts=4 "ks=[1,2]" lookup_tokens=5 max_new_tokens=64 repeats=2 out=$OUT/planning_packed_lookup
