@@ -14,7 +14,7 @@ def look_up(registry: dict, name: str, package: str, key: str, before: tuple = (
     """registry[name], importing `package.name` or `name` when it is not registered yet; `key` names the setting
     in the one-line error, which lists the registered names between the other allowed values `before` and `after`
     (None is returned for those)."""
-    if name not in registry and MODULE_NAME.fullmatch(str(name)):
+    if isinstance(name, str) and name not in registry and MODULE_NAME.fullmatch(name):
         import_named(name, package)
     one_of(key, name, [*before, *registry, *after])
     return registry.get(name)

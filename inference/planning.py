@@ -4,7 +4,8 @@ A cycle that verifies n drafts costs the drafter's time for them plus one target
 root and the drafts), and yields 1 + sum_{j<=n} s_j tokens on average, where s_j = c_1 ... c_j is the chance
 that drafts 1..j all survive and c_j the acceptance estimate of draft j given the ones before it (DSpark's
 confidence head; a drafter's top probability otherwise), both after calibration (`Calibration`: per-position
-temperatures, TensorRT-LLM's sts.json, and biases; fitted by inference/calibration.py). The planner picks n with
+temperatures, TensorRT-LLM's sts.json, and biases; fitted by inference/calibration.py). An n-gram lookup's chain
+(inference/lookup.py) brings its own counted estimates and costs the verify pass alone. The planner picks n with
 the highest expected tokens per second:
 
 - `best_length(c)`: all estimates known before any draft is kept (one-pass drafters, and greedy DSpark): the

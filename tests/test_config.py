@@ -150,3 +150,11 @@ def test_the_target_says_its_automatic_dtype_at_load(llama_dir, monkeypatch, cap
     assert "target dtype: float32 (auto: no GPU)" in capsys.readouterr().out.splitlines()
     FrozenTarget.load(TargetConfig(name_or_path=str(llama_dir), layer_ids=LAYER_IDS, dtype="float32"))
     assert "target dtype" not in capsys.readouterr().out  # a dtype that was asked for goes unsaid
+
+
+def test_a_list_where_a_registered_name_belongs_is_one_line():
+    from common.registry import look_up
+
+    for name in ([1, 2], {"a": 1}):
+        with pytest.raises(UserError, match=r"drafter\.family=.* is not valid; choose one of: eagle3"):
+            look_up({"eagle3": object()}, name, "speculators", "drafter.family")
