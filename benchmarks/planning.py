@@ -123,7 +123,8 @@ def main(cfg: DictConfig) -> None:
         plan_row = next(row for row in rows if row.drafter is drafter and row.drafting.plan)
         planner = make_planner(target, drafter, plan_row.k, plan_row.drafting)
         write_tables(label, path, fitted[label], target, planner, cfg, out)
-        fixed = [r for r in table if r["method"].startswith(f"{label} K=") and not r["method"].endswith("lookup")]
+        fixed = [figures for row, figures in zip(rows, table) if row.drafter is drafter and not row.drafting.plan
+                 and not row.drafting.prompt_lookup_max]
         drafters[label] = {"export": path,
                            "reliability": calibration.before_and_after(plan_row.stats.estimates, fitted[label]),
                            "step_costs_ms": planner.costs.verify_ms, "drafter_ms": planner.drafter_ms(),
