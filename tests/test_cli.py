@@ -33,6 +33,7 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
         "drafter.depth=3", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
         "trainer.val_every_n_steps=3", "trainer.checkpoint_every_n_steps=3", "trainer.num_threads=1",
         "trainer.log_every_n_steps=2",  # the default progress_bar=true, but output goes to a pipe: lines, no bar
+        "serve_eval.report_new_tokens=24",
     ]
     result = run_train(args, cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -67,7 +68,7 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
     assert config["trained_depth"] == 3
     for curve, length in ((report["acceptance_rate_per_position"], k), (report["offline_accuracy_per_step"], 3)):
         assert len(curve) == length and all(0.0 <= a <= 1.0 for a in curve)
-    assert report["outputs_match_baseline"] is True
+    assert report["outputs_match_baseline"] is True and report["config"]["max_new_tokens"] == 24
     lookup = report["lookup"]  # the shortest K behind n-gram lookup chains of up to serve_eval.lookup_tokens
     assert lookup["k"] == 1 and lookup["outputs_match_baseline"] is True and lookup["num_drafts"] > 0
     assert f"behind n-gram lookup (python -m inference drafter={export_dir} {lookup['command']})" in result.stdout

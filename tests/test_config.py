@@ -69,6 +69,7 @@ def test_inference_configs_map_onto_their_dataclasses(folder, name, cls):
     ("drafter.step_decay=0", "drafter.step_decay"),
     ("drafter.family=lookahead", "drafter.family"),
     ("serve_eval.max_new_tokens=0", "serve_eval.max_new_tokens"),
+    ("serve_eval.report_new_tokens=0", "serve_eval.report_new_tokens"),
     ("+trainer.epochs=3", "trainer.epochs"),
     ("+drafter.layers=2", "drafter.layers"),
     ("target.max_memory=[1,2]", "target.max_memory"),  # a list for a mapping: OmegaConf names no key

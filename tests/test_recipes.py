@@ -58,10 +58,12 @@ def test_eagle3_with_no_target_named_is_the_demo_and_naming_one_leaves_none_of_i
     assert demo.init_from == str(PROJECT_ROOT / "models" / "smollm2-eagle3")
     assert (demo.data.layout, demo.data.path) == ("messages", str(PROJECT_ROOT / "data" / "sharegpt-smollm2"))
     assert demo.data.skip_examples == 8192 and demo.eval.name == "data" and drafter.draft_vocab_size == 8192
+    assert demo.serve_eval.report_new_tokens == 256  # whole answers, as the data's were regenerated
     plain, _ = typed(composed(["conf=eagle3", "target.gguf_file=my/model.gguf"]))
     for named in (plain, typed(composed(["conf=eagle3", f"target.name_or_path={chat_dir}"]))[0]):
         assert named.init_from is None and named.target.layer_ids is None and named.quant.scheme == "none"
         assert (named.data.layout, named.data.skip_examples, named.eval.name) == ("sharegpt", 0, "mtbench")
+        assert named.serve_eval.report_new_tokens == 64
 
 
 def test_the_chat_recipe_without_a_target_fails_with_one_line_naming_how_to_pass_one(tmp_path, monkeypatch):

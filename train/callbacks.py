@@ -33,11 +33,14 @@ from train.module import unsharded
 @dataclass
 class ServeEvalConfig:
     """Serving the drafter with the bundled engine: every_n_steps during training (num_prompts, max_new_tokens),
-    and at the end the closing report, which measures each K of `ks` and records the fastest in the export."""
+    and at the end the closing report (report_new_tokens), which measures each K of `ks` and records the fastest in
+    the export."""
 
     every_n_steps: int = 100  # 0 disables it
     num_prompts: int = 2
     max_new_tokens: int = 32
+    report_new_tokens: int = 64  # per prompt in the closing report: as long as the target's answers run, since
+    # drafts of an answer's later tokens are accepted more often than of its first (and prefill weighs less)
     ks: list[int] | None = None  # K the closing report measures (those up to the drafter's depth); None: 1 to it
     plan: bool | None = None  # the closing report also serves drafting.plan, calibrated on the data's held-out
     # conversations (sts.json and sps.json beside the export); None: for drafters with a confidence head (DSpark)
@@ -48,6 +51,7 @@ class ServeEvalConfig:
     def __post_init__(self):
         at_least(0, serve_eval__every_n_steps=self.every_n_steps, serve_eval__lookup_tokens=self.lookup_tokens)
         at_least(1, serve_eval__num_prompts=self.num_prompts, serve_eval__max_new_tokens=self.max_new_tokens,
+                 serve_eval__report_new_tokens=self.report_new_tokens,
                  serve_eval__calibration_prompts=self.calibration_prompts)
         require(self.ks is None or (self.ks and min(self.ks) >= 1), "serve_eval.ks", self.ks,
                 "a list of K >= 1, or null for 1 to the drafter's depth")

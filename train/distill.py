@@ -20,8 +20,6 @@ from train.module import DrafterModule, plain_copy
 from train.recipes import DrafterRecipe
 from train.trainer import fit, leave_process_group, make_logger, make_trainer
 
-REPORT_NEW_TOKENS = report.InferenceConfig.max_new_tokens
-
 
 def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
     drafter_class = family(recipe.drafter.get("family"))
@@ -124,10 +122,10 @@ def eval_prompts(recipe: DrafterRecipe, target, test, turns: int | None = None) 
     held-out split. `turns`: fewer turns than the eval set has (the serve-eval callback takes first turns)."""
     cfg = replace(recipe.eval, turns=turns or recipe.eval.turns)
     if cfg.name != "data":
-        return evalsets.prompts(cfg, target, REPORT_NEW_TOKENS)
+        return evalsets.prompts(cfg, target, recipe.serve_eval.report_new_tokens)
     chats, chat = heldout_conversations(recipe.data, test, cfg.num_prompts, cfg.prompt_lines)
     template = chat_template(recipe.data, target.tokenizer) if chat else None  # the template training used
-    return evalsets.prompts_of(evalsets.first(chats, cfg), template, target, REPORT_NEW_TOKENS)
+    return evalsets.prompts_of(evalsets.first(chats, cfg), template, target, recipe.serve_eval.report_new_tokens)
 
 
 def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[evalsets.Prompt], offline: dict,
@@ -152,7 +150,8 @@ def acceptance_report(drafter, target, recipe: DrafterRecipe, prompts: list[eval
         # the plan's K and calibration when planned, else the shortest K (chains longer than one draft seldom pay)
         extra["lookup"] = (drafter, max(ks) if planned else min(ks), lookup_drafting(recipe.serve_eval.lookup_tokens,
                                                                                    planned))
-    cfg = report.InferenceConfig(drafter=str(export_dir), quant=recipe.quant, eval=recipe.eval)
+    cfg = report.InferenceConfig(drafter=str(export_dir), quant=recipe.quant, eval=recipe.eval,
+                                 max_new_tokens=recipe.serve_eval.report_new_tokens)
     results = report.measure_arms(target, arms | extra, prompts, cfg)
     best = max(arms, key=lambda k: results[k]["speedup"])
     export.set_best_k(export_dir, best)
@@ -184,7 +183,7 @@ def calibrate(recipe: DrafterRecipe, target, drafter, k: int, export_dir: Path, 
                                             num_prompts=recipe.serve_eval.calibration_prompts))
     prompts = [p.ids for p in eval_prompts(held_out, target, test)]
     announce(f"calibrating the drafter's acceptance estimates on {len(prompts)} held-out conversations")
-    fitted = calibration.fit_served(target, drafter, k, prompts, REPORT_NEW_TOKENS)
+    fitted = calibration.fit_served(target, drafter, k, prompts, recipe.serve_eval.report_new_tokens)
     if fitted:
         calibration.write_sts(fitted, export_dir / export.CALIBRATION_FILE, target)
     return fitted
