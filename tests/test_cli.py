@@ -78,6 +78,7 @@ def test_train_eagle3_end_to_end(llama_dir, tmp_path):
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 3
     assert ckpt["state_dict"] and all(k.startswith("drafter.") for k in ckpt["state_dict"])
+    assert "drafter.embed_tokens.weight" not in ckpt["state_dict"]  # nor the target's embedding the drafter holds
 
     # init_from: a new run starts from the export's weights and draft vocabulary and counts its budget.
     common = [arg for arg in args if not arg.startswith(("hydra.run.dir", "trainer.max_steps", "trainer.val_every",

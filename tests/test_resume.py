@@ -186,3 +186,18 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(lla
     checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] == 3
     assert all(torch.isfinite(t).all() for t in checkpoint["state_dict"].values() if t.is_floating_point())
+
+
+def test_a_checkpoint_leaves_out_the_frozen_weights_and_refuses_another_drafters():
+    """The target's weights a drafter holds frozen (its embedding) are rebuilt, not saved: a checkpoint without
+    them loads; one missing a trained weight, or holding a weight this drafter lacks, is refused in one line."""
+    drafter = torch.nn.Module()
+    drafter.embed = torch.nn.Embedding(4, 2).requires_grad_(False)
+    drafter.fc = torch.nn.Linear(2, 2)
+    module = DrafterModule(drafter, None, OptimConfig(), max_steps=1)
+    saved = {name: t for name, t in module.state_dict().items() if name != "drafter.embed.weight"}
+    module.on_load_checkpoint({"state_dict": saved})
+    with pytest.raises(UserError, match=r"missing \['drafter.fc.bias'\]"):
+        module.on_load_checkpoint({"state_dict": {n: t for n, t in saved.items() if n != "drafter.fc.bias"}})
+    with pytest.raises(UserError, match=r"unexpected \['drafter.head.weight'\]"):
+        module.on_load_checkpoint({"state_dict": saved | {"drafter.head.weight": torch.zeros(1)}})

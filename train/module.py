@@ -3,7 +3,8 @@
 A family (speculators/<family>.py) provides `from_target(cfg, target, token_counts)` and
 `training_loss(target_out, input_ids, loss_mask) -> (loss, metrics)`; nothing here knows
 which family it trains. The target is held as a plain attribute, not a submodule, so its
-weights never reach the optimizer or a checkpoint. With data.hidden_states=cache, batches
+weights never reach the optimizer or a checkpoint; nor do the drafter's frozen copies of them (its
+embedding, a frozen lm_head), which a resumed run rebuilds from the target as a new one does. With data.hidden_states=cache, batches
 carry the target's hidden states and the target (loaded without its decoder layers) only
 applies its lm_head.
 
@@ -20,6 +21,7 @@ import lightning as L
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
+from common.config import UserError
 from speculators.target import FrozenTarget, TargetOutput
 from train.optim import OptimConfig, check_finite, configure
 
@@ -29,6 +31,7 @@ class DrafterModule(L.LightningModule):
         super().__init__()
         self.drafter, self.target = drafter, target
         self.optim, self.max_steps = optim, max_steps
+        self.strict_loading = False  # checkpoints leave the frozen weights out (on_load_checkpoint checks the rest)
 
     def configure_model(self) -> None:
         if self.device_mesh is None or isinstance(self.drafter, FSDPModule):  # not FSDP, or sharded already
@@ -64,19 +67,37 @@ class DrafterModule(L.LightningModule):
     def configure_optimizers(self):
         return configure(list(self.drafter.parameters()), self.optim, self.max_steps)
 
+    def frozen_names(self) -> set[str]:
+        return {name for name, p in self.named_parameters() if not p.requires_grad}
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Key the optimizer state by each parameter's place in self.parameters(), as Lightning's fsdp saves it,
-        not by its place in the optimizer's groups (frozen embeddings left out, matrices first): Lightning
-        reads a whole checkpoint's keys that way when a run resumes under fsdp. Loading without fsdp pairs
-        them by their order in the groups, which this keeps."""
+        """Leave out the target's weights the drafter holds frozen (an 8B target's embedding is 2 GB a checkpoint
+        in fp32), and key the optimizer state by each parameter's place in self.parameters(), as Lightning's fsdp
+        saves it, not by its place in the optimizer's groups (frozen embeddings left out, matrices first):
+        Lightning reads a whole checkpoint's keys that way when a run resumes under fsdp. Loading without fsdp
+        pairs them by their order in the groups, which this keeps."""
         if isinstance(self.drafter, FSDPModule):  # saved by Lightning's fsdp, keyed that way already
             return
+        for name in self.frozen_names():
+            checkpoint["state_dict"].pop(name, None)
         place = {id(p): i for i, p in enumerate(self.parameters())}
         for optimizer, state in zip(self.trainer.optimizers, checkpoint.get("optimizer_states", [])):
             key = {i: place[id(p)] for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
             state["state"] = {key[i]: value for i, value in state["state"].items()}
             for group in state["param_groups"]:
                 group["params"] = [key[i] for i in group["params"]]
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Loading is not strict (the frozen weights a checkpoint leaves out stay as this module was built: resume=
+        refuses a changed target or data, train/run.py), so any other difference is refused here. Under fsdp a
+        whole checkpoint loads before this hook, without the check."""
+        if "state_dict" not in checkpoint:
+            return
+        own, saved = set(self.state_dict()), set(checkpoint["state_dict"])
+        missing, unexpected = own - self.frozen_names() - saved, saved - own
+        if missing or unexpected:
+            raise UserError(f"the checkpoint's drafter is not this run's: missing {sorted(missing)[:3]}, unexpected "
+                            f"{sorted(unexpected)[:3]}")
 
 
 @contextlib.contextmanager
