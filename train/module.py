@@ -4,9 +4,9 @@ A family (speculators/<family>.py) provides `from_target(cfg, target, token_coun
 `training_loss(target_out, input_ids, loss_mask) -> (loss, metrics)`; nothing here knows
 which family it trains. The target is held as a plain attribute, not a submodule, so its
 weights never reach the optimizer or a checkpoint; nor do the drafter's frozen copies of them (its
-embedding, a frozen lm_head), which a resumed run rebuilds from the target as a new one does. With data.hidden_states=cache, batches
-carry the target's hidden states and the target (loaded without its decoder layers) only
-applies its lm_head.
+embedding, a frozen lm_head), which a resumed run rebuilds from the target as a new run does. With
+data.hidden_states=cache, batches carry the target's hidden states and the target (loaded without its
+decoder layers) only applies its lm_head.
 
 Under trainer=fsdp (FSDP2, Lightning's ModelParallelStrategy) configure_model shards the
 drafter's weights, gradients and optimizer state across the processes. FSDP2 gathers the
