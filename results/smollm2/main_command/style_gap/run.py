@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO))
 
 from common.config import to_dataclass  # noqa: E402
 from common.corpus import sharegpt_split  # noqa: E402
+from forge_kernels.provenance import git_revision, machine  # noqa: E402
 from speculators import draft_vocab  # noqa: E402
 from speculators.families import family  # noqa: E402
 from speculators.target import FrozenTarget  # noqa: E402
@@ -87,6 +88,7 @@ def main() -> None:
     for name, system in STYLES.items():
         path = styled_data(name, system)
         result[name] = first_draft_accuracy(["data.seq_len=512", f"data.path={path}", "data.skip_examples=0"], whole)
+    result |= {"git_revision": git_revision(), "machine": machine()}
     (HERE / "style_gap.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
