@@ -183,6 +183,7 @@ def arm_report(target, per_turn: dict[int, "Tally"], cfg: InferenceConfig) -> di
         "target_layer_ids": target.layer_ids,
         "git_revision": git_revision(),
         "machine": machine(),
+        "device": "device_map" if target.placed else str(target.device),  # where the target served
     }
 
 
@@ -191,8 +192,8 @@ def drift(target, rows: list[dict]) -> dict:
     decoding, and the mean log-likelihood per token the target gives each."""
     def log_likelihood(row: dict, key: str) -> torch.Tensor:
         prompt, output = row["prompt_ids"], row[key]
-        logits = target(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
-        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
+        logits = target(torch.tensor([prompt + output], device=target.device)).logits[0, len(prompt) - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output, device=logits.device)[:, None])[:, 0]
 
     def per_token(key: str) -> float:
         return float(torch.cat([log_likelihood(row, key) for row in rows]).mean())

@@ -24,14 +24,17 @@ to bf16), against a float64 product.
 
 import json
 import random
+import subprocess
+import sys
 
 import lightning as L
 import pytest
 import torch
 from conftest import FAMILIES, LAYER_IDS, VOCAB_SIZE
-from test_cli import run_train
+from test_cli import REPO, run_train
 from test_ddp import DRAFT, GLOBAL_BATCH, SEQ_LEN, Record, corpus
 from test_engine import MAX_NEW, OracleDrafter, check_stats, prompts_of, wrong_positions
+from test_hidden_cache import data_file  # noqa: F401 (a fixture)
 from test_kernels import BLOCK, GRAD_TOL, LOSS_TOL, greedy_case, loss_and_grad, loss_case, verify_case
 
 import forge_kernels as kernels
@@ -286,3 +289,23 @@ def test_train_py_with_trainer_gpu_trains_exports_and_reports(llama_dir, tmp_pat
     assert (run_dir / "export" / "model.safetensors").is_file()
     report = json.loads((run_dir / "acceptance" / "report.json").read_text())
     assert report["outputs_match_baseline"] and report["acceptance_length"] >= 1
+
+
+def test_train_py_from_the_hidden_state_cache_serves_its_report_on_the_gpu(llama_dir, data_file, tmp_path):  # noqa: F811
+    """With data.hidden_states=cache the closing report loads the whole target after training, when Lightning has
+    moved the module back to the CPU: it must serve on the GPU the run trained on."""
+    common = ["conf=eagle3_pycode", "trainer=gpu", "trainer.devices=1", "logger=none", f"target.name_or_path={llama_dir}",
+              "target.layer_ids=[" + ",".join(map(str, LAYER_IDS)) + "]", "data=text", f"data.path={data_file}",
+              "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2", "data.hidden_states=cache", f"data.cache_dir={tmp_path / 'cache'}"]
+    built = subprocess.run([sys.executable, "-m", "train.hidden_cache", *common, f"hydra.run.dir={tmp_path / 'b'}"],
+                           cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    result = run_train(common + [
+        "trainer.max_steps=3", f"drafter.draft_vocab_size={VOCAB_SIZE // 2}", "drafter.depth=2",
+        "trainer.val_every_n_steps=3", "trainer.checkpoint_every_n_steps=3", "trainer.progress_bar=false",
+        "serve_eval.every_n_steps=0", "eval.num_prompts=2", "serve_eval.ks=[1]", f"hydra.run.dir={run_dir}",
+    ], cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((run_dir / "acceptance" / "report.json").read_text())
+    assert report["device"].startswith("cuda") and report["outputs_match_baseline"]

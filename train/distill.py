@@ -66,8 +66,8 @@ def run_distill(recipe: DrafterRecipe, run_dir: Path) -> None:
                              training=training_record(recipe, trainer, target))
     if trainer.logger:
         trainer.logger.experiment.finish()  # flush W&B before the closing lines, not after them
-    if cached:
-        target = FrozenTarget.load(recipe.target, recipe.quant).to(module.device)  # the whole target, to serve
+    if cached:  # the whole target, to serve where training ran (Lightning has moved the module back to the CPU)
+        target = FrozenTarget.load(recipe.target, recipe.quant).to(trainer.strategy.root_device)
     prompts = eval_prompts(recipe, target, datamodule.files["test"])
     report_path = acceptance_report(served_export(export_dir, target), target, recipe, prompts, offline, export_dir,
                                     datamodule.files["test"])
