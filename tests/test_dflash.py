@@ -1,6 +1,6 @@
 """DFlash drafter (speculators/dflash.py) on the tiny Llama and Qwen3 targets: config errors, what a
 block sees, the loss, train/serve parity, the engine (greedy and sampled), the speculators export,
-and `python train.py conf=dflash`."""
+and `python train.py conf=dflash_pycode`."""
 
 import json
 import math
@@ -28,7 +28,7 @@ B = 5  # block size: 4 drafts per pass
 def make_dflash(target, text_batch, seed: int = 0, **fields) -> DFlashDrafter:
     """A DFlash drafter whose draft vocab is the batch's top tokens, with a random mask embedding."""
     torch.manual_seed(seed)
-    fields = {"block_size": B, "draft_vocab_size": DRAFT_VOCAB, "anchors": 8, **fields}
+    fields = {"block_size": B, "num_layers": 1, "draft_vocab_size": DRAFT_VOCAB, "anchors": 8, **fields}
     counts = draft_vocab.count_tokens(text_batch, torch.ones_like(text_batch), target.vocab_size)
     drafter = DFlashDrafter.from_target(DFlashConfig(**fields), target, counts)
     with torch.no_grad():
@@ -342,7 +342,7 @@ def test_train_dflash_end_to_end(llama_dir, tmp_path):
     run_dir = tmp_path / "run"
     layer_ids = "[" + ",".join(map(str, LAYER_IDS)) + "]"
     result = run_train([
-        "conf=dflash", "trainer.max_steps=3", "logger=none", f"hydra.run.dir={run_dir}",
+        "conf=dflash_pycode", "trainer.max_steps=3", "logger=none", f"hydra.run.dir={run_dir}",
         f"target.name_or_path={llama_dir}", f"target.layer_ids={layer_ids}", "drafter.draft_vocab_size=128",
         "drafter.block_size=4", "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2",
         "trainer.val_every_n_steps=3", "trainer.checkpoint_every_n_steps=3", "trainer.num_threads=1",

@@ -31,7 +31,7 @@ SPECULATORS_DSPARK_KEYS = {"block_size", "aux_hidden_state_layer_ids", "mask_tok
 
 def make_dspark(target, text_batch, seed: int = 0, **fields) -> DSparkDrafter:
     torch.manual_seed(seed)
-    fields = {"block_size": B, "draft_vocab_size": DRAFT_VOCAB, "anchors": 8, "markov_rank": 16, **fields}
+    fields = {"block_size": B, "num_layers": 1, "draft_vocab_size": DRAFT_VOCAB, "anchors": 8, "markov_rank": 16, **fields}
     counts = draft_vocab.count_tokens(text_batch, torch.ones_like(text_batch), target.vocab_size)
     drafter = DSparkDrafter.from_target(DSparkConfig(**fields), target, counts)
     with torch.no_grad():  # heads and mask off their initial values, so the tests see them
@@ -185,7 +185,7 @@ def test_train_dspark_end_to_end(llama_dir, tmp_path):
     run_dir = tmp_path / "run"
     layer_ids = "[" + ",".join(map(str, LAYER_IDS)) + "]"
     result = run_train([
-        "conf=dspark", "trainer.max_steps=3", "logger=none", f"hydra.run.dir={run_dir}",
+        "conf=dspark_pycode", "trainer.max_steps=3", "logger=none", f"hydra.run.dir={run_dir}",
         f"target.name_or_path={llama_dir}", f"target.layer_ids={layer_ids}", "drafter.draft_vocab_size=128",
         "drafter.block_size=4", "drafter.markov_rank=8", "data.seq_len=64", "data.batch_size=2",
         "data.max_val_sequences=2", "trainer.val_every_n_steps=3", "trainer.checkpoint_every_n_steps=3",

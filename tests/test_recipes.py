@@ -66,6 +66,21 @@ def test_eagle3_with_no_target_named_is_the_demo_and_naming_one_leaves_none_of_i
         assert named.serve_eval.report_new_tokens == 64
 
 
+@pytest.mark.parametrize("family", ["dspark", "dflash"])
+def test_block_drafters_for_a_chat_model_take_the_references_depth_and_the_demo_is_the_smollm2_recipe(family, chat_dir):
+    """conf=dspark / dflash name your chat model as conf=eagle3 does, with the references' five block layers and a
+    32k draft vocabulary; with no target named they are conf=<family>_smollm2 (one layer, SmolLM2's data)."""
+    recipe, drafter = typed(composed([f"conf={family}", f"target.name_or_path={chat_dir}"]))
+    assert drafter.family == family and (drafter.num_layers, drafter.draft_vocab_size) == (5, 32768)
+    assert (recipe.data.layout, recipe.eval.name, recipe.quant.scheme) == ("sharegpt", "mtbench", "none")
+    assert recipe.target.layer_ids is None and recipe.init_from is None
+    assert composed([f"conf={family}"]) == composed([f"conf={family}_smollm2"])
+    demo, small = typed(composed([f"conf={family}"]))
+    assert (small.num_layers, small.draft_vocab_size, demo.data.layout) == (1, 8192, "messages")
+    toy = typed(composed([f"conf={family}_pycode"]))
+    assert toy[0].target.name_or_path == str(PROJECT_ROOT / "models" / "pycode") and toy[1].num_layers == 1
+
+
 def test_the_chat_recipe_without_a_target_fails_with_one_line_naming_how_to_pass_one(tmp_path, monkeypatch):
     with pytest.raises(UserError) as error:
         typed(composed(["conf=eagle3", "target=yours"]))

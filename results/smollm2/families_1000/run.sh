@@ -10,6 +10,6 @@ RUN="seed=18 trainer.max_steps=1000 trainer.val_every_n_steps=100 trainer.checkp
 REPORT="serve_eval.ks=[2] serve_eval.plan=false"  # the closing report at one K: compare.sh serves the table
 
 [ -d $CACHE ] || python -m train.hidden_cache conf=eagle3_smollm2 $ROWS trainer.num_threads=2
-python train.py conf=dspark $DATA $RUN drafter.draft_vocab_size=8192 drafter.markov_rank=256 'serve_eval.ks=[8]' hydra.run.dir=$RUNS/dspark_1000
-python train.py conf=dflash $DATA $RUN drafter.draft_vocab_size=8192 $REPORT hydra.run.dir=$RUNS/dflash_1000
+python train.py conf=dspark_pycode $DATA $RUN drafter.draft_vocab_size=8192 drafter.markov_rank=256 'serve_eval.ks=[8]' hydra.run.dir=$RUNS/dspark_1000
+python train.py conf=dflash_pycode $DATA $RUN drafter.draft_vocab_size=8192 $REPORT hydra.run.dir=$RUNS/dflash_1000
 python train.py conf=eagle3_smollm2 $ROWS $RUN $REPORT hydra.run.dir=$RUNS/eagle3_1000

@@ -13,7 +13,7 @@ python train.py conf=eagle3_smollm2 $ROWS $RUN drafter.fc_norm=true drafter.norm
 python train.py conf=eagle $DATA $RUN hydra.run.dir=$RUNS/eagle1
 python train.py conf=peagle $DATA $RUN drafter.draft_vocab_size=8192 hydra.run.dir=$RUNS/peagle
 python train.py conf=medusa $DATA $RUN 'target.layer_ids=[2,15,27]' hydra.run.dir=$RUNS/medusa  # the cache's layers
-python train.py conf=dflash $DATA $RUN drafter.draft_vocab_size=8192 hydra.run.dir=$RUNS/dflash8
+python train.py conf=dflash_pycode $DATA $RUN drafter.draft_vocab_size=8192 hydra.run.dir=$RUNS/dflash8
 
 python -m benchmarks.compare drafters=[$RUNS/eagle3/export,$RUNS/eagle31/export,$RUNS/eagle1/export,$RUNS/peagle/export,$RUNS/medusa/export,$RUNS/dflash8/export] \
   modes=[chain,tree] eval=mtbench eval.turns=1 eval.num_prompts=24 max_new_tokens=128 repeats=1 out=results/smollm2/families_400

@@ -8,8 +8,8 @@ RUNS=${1:?usage: layers.sh RUNS_DIR}
 . "$(dirname "$0")/../settings.sh"
 LAYERS=drafter.num_layers=3
 [ -d $CACHE ] || python -m train.hidden_cache conf=eagle3_smollm2 $ROWS trainer.num_threads=2
-python train.py conf=dspark $DATA $RUN $LAYERS drafter.draft_vocab_size=8192 drafter.markov_rank=256 'serve_eval.ks=[8]' hydra.run.dir=$RUNS/dspark_l3
-python train.py conf=dflash $DATA $RUN $LAYERS drafter.draft_vocab_size=8192 'serve_eval.ks=[2]' serve_eval.plan=false hydra.run.dir=$RUNS/dflash_l3
+python train.py conf=dspark_pycode $DATA $RUN $LAYERS drafter.draft_vocab_size=8192 drafter.markov_rank=256 'serve_eval.ks=[8]' hydra.run.dir=$RUNS/dspark_l3
+python train.py conf=dflash_pycode $DATA $RUN $LAYERS drafter.draft_vocab_size=8192 'serve_eval.ks=[2]' serve_eval.plan=false hydra.run.dir=$RUNS/dflash_l3
 OUT=results/smollm2/families_400/dspark/layers
 DRAFTERS="drafters=[$RUNS/dspark_l3/export,$RUNS/dflash_l3/export,$RUNS/eagle3/export,$RUNS/dspark/export]"
 python -m benchmarks.compare "$DRAFTERS" quant=gguf eval=mtbench eval.turns=2 eval.num_prompts=16 max_new_tokens=96 repeats=1 out=$OUT/mtbench

@@ -10,9 +10,9 @@ RUNS=${1:?usage: run.sh RUNS_DIR}
 REPORT="serve_eval.ks=[2] serve_eval.plan=false"  # the closing report at one K: compare.sh serves the table
 
 [ -d $CACHE ] || python -m train.hidden_cache conf=eagle3_smollm2 $ROWS trainer.num_threads=2
-python train.py conf=dspark $DATA $RUN drafter.draft_vocab_size=8192 drafter.markov_rank=256 'serve_eval.ks=[8]' hydra.run.dir=$RUNS/dspark
-python train.py conf=dflash $DATA $RUN drafter.draft_vocab_size=8192 $REPORT hydra.run.dir=$RUNS/dflash8
+python train.py conf=dspark_pycode $DATA $RUN drafter.draft_vocab_size=8192 drafter.markov_rank=256 'serve_eval.ks=[8]' hydra.run.dir=$RUNS/dspark
+python train.py conf=dflash_pycode $DATA $RUN drafter.draft_vocab_size=8192 $REPORT hydra.run.dir=$RUNS/dflash8
 python train.py conf=eagle3_smollm2 $ROWS $RUN $REPORT hydra.run.dir=$RUNS/eagle3
 # DSpark again with four times the blocks per row (128 anchors of 512 tokens, every fourth position): about
 # EAGLE-3's compute a step, on the same rows.
-python train.py conf=dspark $DATA $RUN drafter.draft_vocab_size=8192 drafter.markov_rank=256 drafter.anchors=128 'serve_eval.ks=[8]' hydra.run.dir=$RUNS/dspark_a128
+python train.py conf=dspark_pycode $DATA $RUN drafter.draft_vocab_size=8192 drafter.markov_rank=256 drafter.anchors=128 'serve_eval.ks=[8]' hydra.run.dir=$RUNS/dspark_a128

@@ -11,9 +11,9 @@ RUNS=${1:?usage: slot_weights.sh RUNS_DIR}
 RUN=${RUN/num_threads=2/num_threads=1}
 export OMP_NUM_THREADS=1
 SPARK="drafter.draft_vocab_size=8192 drafter.markov_rank=256 serve_eval.ks=[8]"
-[ -d $RUNS/dspark_g1 ] || python train.py conf=dspark $DATA $RUN $SPARK drafter.gamma=1 hydra.run.dir=$RUNS/dspark_g1
-[ -d $RUNS/dflash_g1 ] || python train.py conf=dflash $DATA $RUN drafter.draft_vocab_size=8192 drafter.gamma=1 'serve_eval.ks=[2]' serve_eval.plan=false hydra.run.dir=$RUNS/dflash_g1
-[ -d $RUNS/dspark_rnn ] || python train.py conf=dspark $DATA $RUN $SPARK drafter.markov_head_type=rnn hydra.run.dir=$RUNS/dspark_rnn
+[ -d $RUNS/dspark_g1 ] || python train.py conf=dspark_pycode $DATA $RUN $SPARK drafter.gamma=1 hydra.run.dir=$RUNS/dspark_g1
+[ -d $RUNS/dflash_g1 ] || python train.py conf=dflash_pycode $DATA $RUN drafter.draft_vocab_size=8192 drafter.gamma=1 'serve_eval.ks=[2]' serve_eval.plan=false hydra.run.dir=$RUNS/dflash_g1
+[ -d $RUNS/dspark_rnn ] || python train.py conf=dspark_pycode $DATA $RUN $SPARK drafter.markov_head_type=rnn hydra.run.dir=$RUNS/dspark_rnn
 DRAFTERS="drafters=[$RUNS/dspark_g1/export,$RUNS/dflash_g1/export,$RUNS/dspark_rnn/export,$RUNS/dspark/export,$RUNS/dflash8/export,$RUNS/eagle3/export]"
 python -m benchmarks.compare "$DRAFTERS" quant=gguf eval=mtbench eval.turns=2 eval.num_prompts=16 max_new_tokens=96 repeats=1 out=results/smollm2/families_400/dspark/slot_weights/mtbench
 python -m benchmarks.compare "$DRAFTERS" quant=gguf eval=sharegpt eval.num_prompts=6 max_new_tokens=96 repeats=1 out=results/smollm2/families_400/dspark/slot_weights/sharegpt
