@@ -63,11 +63,13 @@ def llama_cpp_source(tmp_path_factory) -> Path:
     return out / prefix
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])  # qwen3: head_dim 16, not hidden / heads
+# qwen3: head_dim 16, not hidden / heads; and two block layers (the references train five)
+@pytest.fixture(scope="module", params=[("llama", 1), ("qwen3", 2)], ids=["llama", "qwen3-2-layers"])
 def dspark_export(request, target_dirs, text_batch, tmp_path_factory) -> tuple[Path, Path]:
     """(our speculators export of a DSpark drafter, its target's folder)."""
-    drafter = make_dspark(load_target(target_dirs, request.param), text_batch).eval()
-    target_dir = target_dirs[request.param]
+    family, layers = request.param
+    drafter = make_dspark(load_target(target_dirs, family), text_batch, num_layers=layers).eval()
+    target_dir = target_dirs[family]
     return export.save(drafter, tmp_path_factory.mktemp("dspark") / "export",
                        Verifier(str(target_dir), [])), target_dir
 
