@@ -33,6 +33,8 @@ import torch
 from conftest import FAMILIES, LAYER_IDS, VOCAB_SIZE
 from test_cli import REPO, run_train
 from test_ddp import DRAFT, GLOBAL_BATCH, SEQ_LEN, Record, corpus
+from test_dflash import make_dflash
+from test_dspark import make_dspark
 from test_engine import MAX_NEW, OracleDrafter, check_stats, prompts_of, wrong_positions
 from test_hidden_cache import data_file  # noqa: F401 (a fixture)
 from test_kernels import BLOCK, GRAD_TOL, LOSS_TOL, greedy_case, loss_and_grad, loss_case, verify_case
@@ -51,6 +53,7 @@ from forge_kernels import (
     verify_sampling_triton,
 )
 from forge_kernels.quant_matmul import dequantize, pack_int4, round_to_nearest_int4
+from inference.drafting import DraftingConfig
 from inference.engine import generate, generate_batch
 from speculators import draft_vocab
 from speculators.eagle3 import Eagle3Config, Eagle3Drafter
@@ -272,6 +275,24 @@ def test_batched_greedy_speculation_on_cuda_is_target_only_decoding(cuda_pair, t
     assert spec.tokens == base.tokens and all(len(tokens) == MAX_NEW for tokens in base.tokens)
 
 
+@pytest.mark.parametrize("plan", [False, True])
+@pytest.mark.parametrize("family", ["dspark", "dflash"])
+def test_block_drafters_on_cuda_are_target_only_decoding(family, plan, llama_dir, text_batch, tmp_path):
+    """DSpark's Markov slots decoded one by one and its confidence planned against step costs timed on the GPU
+    (synchronized), DFlash's one pass: greedy output token for token target-only decoding; sampling runs."""
+    target = FrozenTarget.load(TargetConfig(name_or_path=str(llama_dir), layer_ids=LAYER_IDS))
+    make = make_dspark if family == "dspark" else make_dflash
+    drafter = make(target, text_batch, num_layers=2).to(CUDA).eval()
+    target = target.to(CUDA)
+    drafting = DraftingConfig(plan=plan, cost_table=str(tmp_path / "costs.json"))
+    for prompt in prompts_of(text_batch):
+        base = generate(target, None, prompt, MAX_NEW, k=0)
+        spec = generate(target, drafter, prompt, MAX_NEW, k=4, drafting=drafting)
+        assert spec.tokens == base.tokens and spec.stats.num_drafts > 0
+        sampled = generate(target, drafter, prompt, MAX_NEW, k=4, temperature=1.0, seed=3, drafting=drafting)
+        assert all(0 <= t < target.vocab_size for t in sampled.tokens)
+
+
 # --- 5. train.py on one GPU ------------------------------------------------------------------------------
 
 
@@ -309,3 +330,21 @@ def test_train_py_from_the_hidden_state_cache_serves_its_report_on_the_gpu(llama
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((run_dir / "acceptance" / "report.json").read_text())
     assert report["device"].startswith("cuda") and report["outputs_match_baseline"]
+
+
+def test_train_py_trains_dspark_on_the_gpu_and_plans_its_report(llama_dir, tmp_path):
+    """conf=dspark_pycode on CUDA: the heads train, the closing report calibrates, times the step costs on the GPU and
+    serves the plan there, and writes sts.json / sps.json beside the export."""
+    run_dir = tmp_path / "run"
+    result = run_train([
+        "conf=dspark_pycode", "trainer=gpu", "trainer.devices=1", "trainer.max_steps=3", "logger=none",
+        f"hydra.run.dir={run_dir}", f"target.name_or_path={llama_dir}",
+        "target.layer_ids=[" + ",".join(map(str, LAYER_IDS)) + "]", "drafter.num_layers=2",
+        f"drafter.draft_vocab_size={VOCAB_SIZE // 2}", "drafter.block_size=4", "drafter.markov_rank=8",
+        "data.seq_len=64", "data.batch_size=2", "data.max_val_sequences=2", "trainer.val_every_n_steps=3",
+        "trainer.checkpoint_every_n_steps=3", "trainer.progress_bar=false", "eval.num_prompts=2", "serve_eval.ks=[1,3]",
+    ], cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((run_dir / "acceptance" / "report.json").read_text())
+    assert report["device"].startswith("cuda") and report["outputs_match_baseline"]
+    assert (run_dir / "export" / "sts.json").is_file() and (run_dir / "export" / "sps.json").is_file()
