@@ -4,8 +4,9 @@
 
 1. the machine: GPUs (name, memory, compute capability), CUDA, driver, torch, Triton, transformers, git revision;
 2. the GPU test tier, `python -m pytest -m gpu` in a child process (tests/test_gpu.py);
-3. training: conf=<recipe> (eagle3_smollm2: the SmolLM2 drafter) for warmup_steps + steps optimizer steps in
-   this process, on the GPU, in the recipe's precision: trained tokens/s (median step) and peak memory;
+3. training, for each of `recipes` (the SmolLM2 EAGLE-3 drafter, and DSpark with the references' five block
+   layers): warmup_steps + steps optimizer steps in this process, on the GPU, in the recipe's precision: trained
+   tokens/s (median step) and peak memory;
 4. serving: the shipped drafter (models/smollm2-eagle3) against target-only decoding on the GPU, on MT-bench
    first turns (inference.report.measure): tau, tokens/s, speed-up, outputs identical or not.
 
@@ -41,8 +42,9 @@ class DeviceCheckConfig:
     out: str = "device_check.json"
     steps: int = 20
     warmup_steps: int = 3
-    recipe: str = "eagle3_smollm2"
-    recipe_overrides: list[str] = field(default_factory=lambda: ["data.max_examples=400"])
+    recipes: dict[str, list[str]] = field(default_factory=lambda: {  # conf=<name> -> its overrides
+        "eagle3_smollm2": ["data.max_examples=400"],
+        "dspark_smollm2": ["data.max_examples=400", "drafter.num_layers=5"]})
     drafter: str = "models/smollm2-eagle3"
     quant: str = "gguf"
     num_prompts: int = 8
@@ -254,13 +256,14 @@ def check(cfg: DeviceCheckConfig) -> None:
     report = {"config": asdict(cfg), "machine": gpu_machine()}
     if cfg.gpu_tests:
         report["gpu_tests"] = section("GPU test tier", lambda: run_gpu_tests(cfg.tests_timeout_s))
-    report["training"] = section(f"training conf={cfg.recipe}", lambda: train_steps(
-        compose_recipe(cfg.recipe, cfg.recipe_overrides), device, cfg.steps, cfg.warmup_steps))
+    report["training"] = {name: section(f"training conf={name}", lambda: train_steps(
+        compose_recipe(name, overrides), device, cfg.steps, cfg.warmup_steps)) for name, overrides in cfg.recipes.items()}
     report["serving"] = section(f"serving {cfg.drafter}", lambda: serve(cfg, device))
     report["seconds"] = round(time.perf_counter() - started, 1)
     Path(cfg.out).write_text(json.dumps(report, indent=2) + "\n")
     print(summary(report, cfg.out))
-    if not all(report[name]["ok"] for name in ("gpu_tests", "training", "serving") if name in report):
+    sections = [report.get("gpu_tests", {"ok": True}), *report["training"].values(), report["serving"]]
+    if not all(s["ok"] for s in sections):
         sys.exit(1)
 
 
@@ -269,9 +272,10 @@ def summary(report: dict, out: str) -> str:
     lines = [f"{gpu['name']} ({gpu['memory_gib']} GiB), CUDA {report['machine']['cuda']}, torch {report['machine']['torch']}"]
     if "gpu_tests" in report:
         lines.append(f"GPU test tier: {report['gpu_tests'].get('summary') or report['gpu_tests'].get('error')}")
-    train = report["training"]
-    lines.append(f"training: {train['tokens_per_s']:.0f} tokens/s, {train['step_s'] * 1000:.0f} ms a step, peak "
-                 f"{train['memory']['peak_gib']:.2f} GiB" if train["ok"] else f"training failed: {train['error']}")
+    for name, train in report["training"].items():
+        lines.append(f"training {name}: {train['tokens_per_s']:.0f} tokens/s, {train['step_s'] * 1000:.0f} ms a step, "
+                     f"peak {train['memory']['peak_gib']:.2f} GiB" if train["ok"] else
+                     f"training {name} failed: {train['error']}")
     served = report["serving"]
     lines.append(f"serving: tau {served['acceptance_length']:.2f} at K={served['k']}, {served['tokens_per_second']:.1f} "
                  f"vs {served['baseline_tokens_per_second']:.1f} tokens/s target-only ({served['speedup']:.2f}x), outputs "

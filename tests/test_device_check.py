@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import LAYER_IDS
 from test_cli import REPO
@@ -29,14 +30,16 @@ def test_without_a_gpu_it_says_so_in_one_line_and_writes_nothing(tmp_path):
     assert "Traceback" not in child.stderr and not out.exists()
 
 
-def test_the_training_loop_it_times_trains_on_the_cpu(llama_dir, tmp_path):
+@pytest.mark.parametrize("recipe, family_overrides", [
+    ("eagle3_pycode", ["drafter.depth=2"]), ("dspark_pycode", ["drafter.num_layers=2", "drafter.markov_rank=8"])])
+def test_the_training_loop_it_times_trains_on_the_cpu(recipe, family_overrides, llama_dir, tmp_path):
     docs = tmp_path / "docs.jsonl"
     text = (REPO / "train" / "data.py").read_text()
     docs.write_text("".join(json.dumps({"text": part}) + "\n" for part in text.split("\n\n") if part.strip()))
-    recipe = device_check.compose_recipe("eagle3_pycode", [
+    recipe = device_check.compose_recipe(recipe, [
         "data=text", f"data.path={docs}", f"data.seq_len={SEQ_LEN}", f"data.batch_size={BATCH}", "logger=none",
         f"target.name_or_path={llama_dir}", "target.layer_ids=[" + ",".join(map(str, LAYER_IDS)) + "]",
-        "drafter.draft_vocab_size=96", "drafter.depth=2", "trainer.precision=32-true"])
+        "drafter.draft_vocab_size=96", "trainer.precision=32-true", *family_overrides])
     result = device_check.train_steps(recipe, torch.device("cpu"), steps=2, warmup_steps=1)
     assert len(result["losses"]) == 3 and all(math.isfinite(loss) for loss in result["losses"])
     assert result["tokens_per_s"] == BATCH * SEQ_LEN / result["step_s"] > 0
