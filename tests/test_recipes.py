@@ -90,15 +90,18 @@ def test_the_chat_recipe_without_a_target_fails_with_one_line_naming_how_to_pass
     assert one_line_error(code, stderr) == f"error: {NO_TARGET}"
 
 
-def test_eagle3_trains_a_chat_model_whose_vocabulary_is_below_the_draft_vocabulary(chat_dir, tmp_path, capsys):
+@pytest.mark.parametrize("recipe", ["eagle3", "dspark"])
+def test_a_chat_recipe_trains_a_chat_model_whose_vocabulary_is_below_the_draft_vocabulary(recipe, chat_dir, tmp_path,
+                                                                                         capsys):
     """One step on a 320-token bf16 target: the 32,768-token draft vocabulary becomes the target's whole
-    vocabulary, said in one line, and the MT-bench report serves the drafter losslessly."""
+    vocabulary, said in one line, and the MT-bench report serves the drafter losslessly (DSpark: five block
+    layers, the plan served and its files written beside the export)."""
     from train.run import run
 
     chats = write_jsonl(tmp_path / "chats.jsonl", [{"id": row["id"], "messages": as_messages(row)}
                                                    for row in sharegpt_rows(60)])
     run_dir = tmp_path / "run"
-    run(composed(["conf=eagle3", f"target.name_or_path={chat_dir}", "data=messages", f"data.path={chats}",
+    run(composed([f"conf={recipe}", f"target.name_or_path={chat_dir}", "data=messages", f"data.path={chats}",
                   "target.layer_ids=[" + ",".join(map(str, LAYER_IDS)) + "]", "data.seq_len=128", "data.batch_size=2",
                   "data.max_val_sequences=2", "eval.num_prompts=1", "eval.turns=1", "trainer.max_steps=1",
                   "trainer.num_threads=1", "trainer.progress_bar=false", "logger=none"]), run_dir)
@@ -110,6 +113,9 @@ def test_eagle3_trains_a_chat_model_whose_vocabulary_is_below_the_draft_vocabula
     report_path = Path(next(line for line in out.splitlines() if line.startswith("acceptance report: ")).split(": ", 1)[1])
     report = json.loads((report_path if report_path.suffix == ".json" else report_path / "report.json").read_text())
     assert report["outputs_match_baseline"] is True and report["config"]["eval"]["name"] == "mtbench"
+    if recipe == "dspark":
+        assert config["transformer_layer_config"]["num_hidden_layers"] == 5 and report["plan"]["outputs_match_baseline"]
+        assert (run_dir / "export" / "sts.json").is_file() and (run_dir / "export" / "sps.json").is_file()
 
 
 # --- conf=eagle3_pycode: the toy, and its corpus kept to it ------------------------------------------
