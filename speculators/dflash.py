@@ -41,7 +41,7 @@ class DFlashConfig:
     family: str = "dflash"
     block_size: int = 8  # B: the anchor and B-1 mask slots; one pass drafts B-1 tokens (ModelOpt 8, speculators 16)
     num_layers: int = 5  # draft decoder layers: the references' for 8B targets (the CPU recipes train 1)
-    draft_vocab_size: int = 32000
+    draft_vocab_size: int = 32768
     anchors: int = 32  # blocks trained per sequence in one pass
     gamma: float | None = None  # slot k's loss weight exp(-(k-1)/gamma); null: 7 for block_size >= 16, else 4
     mask_token_id: int | None = None  # null: the least frequent token of the training data

@@ -45,7 +45,7 @@ class Eagle3Config:
     family: str = "eagle3"
     depth: int = 5  # K: draft steps unrolled in training (training-time test; anchors use 3 to 7)
     step_decay: float = 0.8  # loss weight of step j is step_decay**j (EAGLE-3: 0.8)
-    draft_vocab_size: int = 32000
+    draft_vocab_size: int = 32768
     intermediate_size: int | None = None  # the layer's MLP width; None: the target's
     norm_before_residual: bool = False  # True: the residual carries hidden_norm(h) instead of h
     fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per auxiliary hidden state before fc

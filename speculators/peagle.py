@@ -75,7 +75,7 @@ class PEagleConfig:
     family: str = "peagle"
     depth: int = 5  # K: tokens drafted in one pass (depths 0..K-1)
     num_layers: int = 2  # decoder layers (P-EAGLE uses 2 to 4)
-    draft_vocab_size: int = 32000
+    draft_vocab_size: int = 32768
     keep_ratio: float = 0.7  # r: training keeps depth d >= 1 of a fraction max(r^d, min_keep) of anchors
     min_keep: float = 0.2  # r_min
     norm_before_residual: bool = False  # True: layer 0's residual carries hidden_norm(h) instead of h

@@ -1,5 +1,6 @@
 """conf/ mirrors the config dataclasses, and every bad value fails with one line naming its key."""
 
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
@@ -40,9 +41,18 @@ def typed(cfg):
     return recipe, None
 
 
-@pytest.mark.parametrize("recipe", ["eagle3_pycode", "eagle", "peagle", "medusa", "dflash", "target_pretrain"])
+@pytest.mark.parametrize("recipe", sorted(path.stem for path in (CONF / "conf").glob("*.yaml")))
 def test_every_recipe_maps_onto_its_dataclasses(recipe):
     typed(composed([f"conf={recipe}"]))  # an unknown key anywhere in conf/ would raise here
+
+
+@pytest.mark.parametrize("path", sorted((CONF / "family").glob("*.yaml")), ids=lambda path: path.stem)
+def test_every_family_file_holds_its_dataclass_defaults(path):
+    """A default written once: conf/family/<name>.yaml lists every field of its config class, with its default."""
+    written = OmegaConf.to_container(OmegaConf.load(path))
+    defaults = {f.name: f.default_factory() if f.default is MISSING else f.default
+                for f in fields(family(written["family"]).config_class)}
+    assert written == defaults
 
 
 @pytest.mark.parametrize("folder, name, cls", [("inference", "config", InferenceConfig), ("benchmarks", "bench", BenchConfig),
