@@ -165,7 +165,8 @@ PATHS = {"resume", "target", "target.name_or_path", "data.stdlib_path", "drafter
 ZERO_ALLOWED = {"seed", "optim.warmup_steps", "optim.weight_decay", "optim.min_lr_ratio", "optim.beta1",
                 "optim.beta2", "trainer.gradient_clip_val", "serve_eval.every_n_steps", "temperature",
                 "k", "drafter.regression_weight", "drafter.distillation_weight",
-                "drafter.input_noise", "acceptance_tolerance", "drafting.prompt_lookup_max", "drafting.chain_min_prob"}
+                "drafter.input_noise", "acceptance_tolerance", "drafting.prompt_lookup_max", "drafting.chain_min_prob",
+                "data.skip_examples", "serve_eval.lookup_tokens", "drafter.mask_token_id"}
 GROUPS = {"train": ["conf", "target", "data", "quant", "eval", "trainer", "logger"], "inference": ["quant", "eval"]}
 WEIRD = ["[", "]", "{", "}", "'", "=", "a,b", "${nope}", "${oc.env:SPECULATORS_NO_SUCH_VARIABLE}", "%", "\\\\"]
 
